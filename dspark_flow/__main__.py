@@ -1,0 +1,3 @@
+from dspark_flow.cli.main import main
+
+raise SystemExit(main())

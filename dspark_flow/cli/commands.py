@@ -1,0 +1,154 @@
+"""The subcommands: each a small object with a name, its arguments and a run function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dspark_flow.errors import DsparkFlowError, RecipeError
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a recipe field, e.g. --set draft_cap.k=4 (repeatable)",
+    )
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    _recipe_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt (use - to read stdin)")
+    p.add_argument("--max-tokens", type=int, default=None, help="override the token budget")
+    p.add_argument("--no-chat", action="store_true", help="send the prompt without chat template")
+    p.add_argument("--json", action="store_true", help="print the GenResult as JSON")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dspark_flow.pipeline import Pipeline
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise DsparkFlowError("--max-tokens must be at least 1")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    pipeline = Pipeline.from_yaml(args.recipe, overrides=args.overrides).warm_up()
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = pipeline.generate(
+        prompt,
+        max_new_tokens=args.max_tokens,
+        chat=False if args.no_chat else None,
+        on_text=None if args.json else show,
+    )
+    if args.json:
+        from dspark_flow.cli.main import print_json
+
+        print_json(result.to_dict())
+    else:
+        sys.stdout.write("\n")
+        print(f"[{result.summary()}]", file=sys.stderr)
+    return 0
+
+
+# -- validate / schema / list ------------------------------------------------------------------
+
+
+def _validate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipes", nargs="+", help="recipe YAML files")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from dspark_flow.recipe.load import load_recipe
+
+    problems: list[str] = []
+    for path in args.recipes:
+        try:
+            load_recipe(path, args.overrides)
+            print(f"ok {path}")
+        except RecipeError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise RecipeError(problems)
+    return 0
+
+
+def _schema_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout")
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from dspark_flow.recipe.jsonschema import recipe_json_schema
+
+    text = json.dumps(recipe_json_schema(), indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def _list_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("slot", nargs="?", default=None, help="only this slot")
+
+
+def _list(args: argparse.Namespace) -> int:
+    from dspark_flow import registry
+    from dspark_flow.strategy import SLOTS
+
+    slots = [args.slot] if args.slot else list(SLOTS)
+    infos = [i for s in slots for i in registry.installed(s)]
+    width = max((len(f"{i.slot}.{i.kind}") for i in infos), default=10)
+    for info in infos:
+        print(f"{info.slot + '.' + info.kind:<{width}}  {info.source}")
+    for slot, kind, claims in registry.conflicts():
+        who = " and ".join(c.source for c in claims)
+        print(f"warning: {slot}.{kind} is claimed by {who}", file=sys.stderr)
+    return 0
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def _models_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["pull", "path"], help="pull: fetch and convert; path: print")
+    p.add_argument("name", nargs="?", default="smollm2-135m", help="built-in model name")
+
+
+def _models(args: argparse.Namespace) -> int:
+    from dspark_flow.models.embedded import ensure_builtin
+
+    name = args.name.removeprefix("builtin:")
+    path = ensure_builtin(name, progress=args.action == "pull")
+    print(path)
+    return 0
+
+
+COMMANDS: list[Command] = [
+    Command("run", "generate from a prompt with a recipe", _run_args, _run),
+    Command("validate", "check recipes without loading models", _validate_args, _validate),
+    Command("schema", "print the JSON Schema of recipes (all installed kinds)", _schema_args, _schema),
+    Command("list", "list installed strategies per slot", _list_args, _list),
+    Command("models", "fetch and convert built-in models", _models_args, _models),
+]

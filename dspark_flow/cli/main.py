@@ -1,0 +1,73 @@
+"""`dspark-flow` command line. Every user error ends as one line on stderr and exit code 2;
+an unexpected failure as one line and exit code 1 (DSPARK_FLOW_DEBUG=1 shows the traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from dspark_flow.errors import DsparkFlowError
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning (default), error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dspark_flow.cli import commands
+
+    parser = argparse.ArgumentParser(
+        prog="dspark-flow",
+        description="Lossless speculative decoding for MLX language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in commands.COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        _add_common(p)
+        p.set_defaults(handler=command.run)
+    return parser
+
+
+def _version() -> str:
+    from dspark_flow import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from dspark_flow.log import configure
+
+    configure(args.log_format, args.log_level)
+    try:
+        return int(args.handler(args) or 0)
+    except DsparkFlowError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"error: {line}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # an internal bug: still one line unless asked for more
+        if os.environ.get("DSPARK_FLOW_DEBUG"):
+            traceback.print_exc()
+        print(
+            f"internal error: {type(exc).__name__}: {exc} (set DSPARK_FLOW_DEBUG=1 for a traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def print_json(data: object) -> None:
+    json.dump(data, sys.stdout, indent=2, ensure_ascii=False)
+    sys.stdout.write("\n")

@@ -1,0 +1,165 @@
+"""The one decode loop: draft -> verify -> accept -> roll back -> stop?
+
+Plain decoding is this loop with a drafter that proposes nothing. Each round does one target
+forward over [last committed token] + draft, one host sync (inside the sampler's verify), trims
+the rejected tail from the cache and checks the stop rules on what was committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from dspark_flow.engine.textstream import TextStream
+from dspark_flow.result import GenResult
+from dspark_flow.strategy import CacheStrategy, Draft, DraftCap, Drafter, Sampler, StopRule, Verifier
+
+PREFILL_CHUNK = 512  # bounds activation memory on long prompts
+
+
+@dataclass
+class Components:
+    """A warmed-up set of strategies, one per slot, around one target."""
+
+    model: nn.Module
+    tokenizer: Any
+    drafter: Drafter
+    verifier: Verifier
+    sampler: Sampler
+    draft_cap: DraftCap
+    cache: CacheStrategy
+    stops: list[StopRule]
+
+    def with_request(self, **changes: Any) -> Components:
+        return replace(self, **changes)
+
+
+@dataclass
+class TextEvent:
+    text: str
+
+
+@dataclass
+class DoneEvent:
+    result: GenResult
+
+
+Event = TextEvent | DoneEvent
+
+
+def _prefill(c: Components, prompt_ids: list[int]) -> tuple[list[Any], mx.array, int]:
+    cache, cached = c.cache.new(c.model, prompt_ids)
+    if cached >= len(prompt_ids):  # the forward needs at least one new token for its logits
+        c.cache.trim(cache, cached - len(prompt_ids) + 1)
+        cached = len(prompt_ids) - 1
+    forwards = 0
+    rest = prompt_ids[cached:]
+    while len(rest) > PREFILL_CHUNK:
+        c.verifier.forward(c.model, rest[:PREFILL_CHUNK], cache)
+        mx.eval([entry.state for entry in cache])
+        rest = rest[PREFILL_CHUNK:]
+        forwards += 1
+    logits = c.verifier.forward(c.model, rest, cache)[-1]
+    return cache, logits, forwards + 1
+
+
+def _first_stop(
+    stops: list[StopRule], generated: list[int], start: int
+) -> tuple[int, str] | None:
+    found: tuple[int, str] | None = None
+    for rule in stops:
+        at = rule.check_tokens(generated, start)
+        if at is not None and (found is None or at < found[0]):
+            found = (at, rule.finish_reason)
+    return found
+
+
+def decode(
+    c: Components,
+    prompt_ids: list[int],
+    stream_text: bool = True,
+    started: float | None = None,
+) -> Iterator[Event]:
+    """Generate after `prompt_ids`; yield committed text as it becomes final, then the result.
+
+    With `stream_text=False` no TextEvents come (text is decoded once at the end unless a stop
+    string needs it sooner).
+    """
+    t0 = started if started is not None else time.perf_counter()
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    pending: list[str] = []
+    stream = TextStream(c.tokenizer, c.stops, pending.append if stream_text else None)
+    budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)
+    drafting = c.drafter.max_draft != 0
+
+    c.sampler.begin()
+    c.drafter.begin(prompt_ids, c.sampler)
+    t_prefill = time.perf_counter()
+    cache, logits, forwards = _prefill(c, prompt_ids)
+    generated = [int(c.sampler.sample(logits).item())]
+    t_first = time.perf_counter()
+
+    accept_lengths: list[int] = []
+    finish = "length"
+    stopped_by_text = False
+    start = 0
+    while True:
+        stop = _first_stop(c.stops, generated, start)
+        if stop is not None:
+            del generated[stop[0] :]
+            finish = stop[1]
+        if stream.active and stream.update(generated) is not None:
+            finish, stopped_by_text = "stop", True
+            break
+        for piece in pending:
+            yield TextEvent(piece)
+        pending.clear()
+        if stop is not None:
+            break
+
+        # One round.
+        t_round = time.perf_counter()
+        k = c.draft_cap.choose(c.drafter.max_draft) if drafting else 0
+        if budget is not None:
+            k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
+        draft = c.drafter.propose(prompt_ids + generated, k) if k > 0 else Draft()
+        logits = c.verifier.forward(c.model, [generated[-1], *draft.tokens], cache)
+        accepted, next_token = c.sampler.verify(logits, draft)
+        c.cache.trim(cache, len(draft.tokens) - accepted)
+        forwards += 1
+        start = len(generated)
+        generated += [*draft.tokens[:accepted], next_token]
+        accept_lengths.append(accepted + 1)
+        if drafting:
+            c.drafter.observe(len(draft.tokens), accepted)
+            c.draft_cap.observe(len(draft.tokens), accepted, time.perf_counter() - t_round)
+
+    text = stream.finish(generated, stopped_by_text)
+    for piece in pending:
+        yield TextEvent(piece)
+    c.cache.finish(cache, prompt_ids + generated[:-1])
+    t_end = time.perf_counter()
+    n = len(generated)
+    decode_time = t_end - t_first
+    yield DoneEvent(
+        GenResult(
+            text=text,
+            token_ids=generated,
+            num_tokens=n,
+            num_rounds=len(accept_lengths),
+            target_forwards=forwards,
+            mean_accept_len=(sum(accept_lengths) / len(accept_lengths)) if accept_lengths else 1.0,
+            tokens_per_sec=n / (t_end - t0) if t_end > t0 else 0.0,
+            decode_tokens_per_sec=(n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0,
+            prefill_seconds=t_first - t_prefill,
+            ttft_seconds=t_first - t0,
+            finish_reason=finish,  # type: ignore[arg-type]
+            accept_lengths=accept_lengths,
+        )
+    )

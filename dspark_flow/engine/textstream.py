@@ -1,0 +1,71 @@
+"""Committed tokens -> text, with stop strings cut and streaming that never splits a character.
+
+Text is re-decoded from the generated ids (cheap next to a forward pass) rather than pieced
+together per token, so byte-level tokens that form one UTF-8 character come out whole. A
+decoded tail ending in U+FFFD is an unfinished character and is held back, as is any tail that
+could be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dspark_flow.strategy import StopRule
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    def __init__(self, tokenizer: Any, stops: list[StopRule], on_text: Callable[[str], None] | None):
+        self.tokenizer = tokenizer
+        self.text_stops = [s for s in stops if type(s).check_text is not StopRule.check_text]
+        self.on_text = on_text
+        self.emitted = ""  # everything passed to on_text so far
+        self.checked = 0  # characters already searched for stop strings
+        self._text = ""
+
+    @property
+    def active(self) -> bool:
+        """Decoding during the loop is only needed to stream or to find stop strings."""
+        return self.on_text is not None or bool(self.text_stops)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def update(self, token_ids: list[int]) -> int | None:
+        """Take the whole generated sequence so far; return the cut if a stop string appeared."""
+        text = self._decode(token_ids)
+        stable = text.rstrip(REPLACEMENT) if text.endswith(REPLACEMENT) else text
+        cut = None
+        for rule in self.text_stops:
+            at = rule.check_text(stable, self.checked)
+            if at is not None and (cut is None or at < cut):
+                cut = at
+        if cut is not None:
+            self._text = stable[:cut]
+            self._emit(self._text)
+            return cut
+        self.checked = len(stable)
+        hold = max((rule.holdback(stable) for rule in self.text_stops), default=0)
+        self._text = stable
+        self._emit(stable[: len(stable) - hold])
+        return None
+
+    def _emit(self, upto: str) -> None:
+        if len(upto) > len(self.emitted) and upto.startswith(self.emitted):
+            piece = upto[len(self.emitted) :]
+            self.emitted = upto
+            if self.on_text is not None:
+                self.on_text(piece)
+
+    def finish(self, token_ids: list[int], stopped_by_text: bool) -> str:
+        """Flush what was held back; the returned text equals the concatenation streamed."""
+        if not stopped_by_text:
+            self._text = self._decode(token_ids)
+        self._emit(self._text)
+        if not self._text.startswith(self.emitted):
+            # Decoding a longer sequence rewrote earlier text (rare tokenizer clean-up rules):
+            # what was streamed stays the truth, so the result matches the stream.
+            return self.emitted
+        return self._text

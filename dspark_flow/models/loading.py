@@ -1,0 +1,111 @@
+"""Turn a model reference into a loaded (model, tokenizer) pair.
+
+A reference is one of: `builtin:<name>` (converted once into the cache), a local mlx-lm
+directory, or a Hugging Face repo id. Every failure a user can fix becomes one ModelError line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from dspark_flow.errors import ModelError
+from dspark_flow.models.backend import apply_weight_format, choose_weight_format, prefer_openblas
+
+# Must precede the first `import mlx.core` in the process to take effect (see backend.py).
+prefer_openblas()
+
+BUILTIN_PREFIX = "builtin:"
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _check_model_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise ModelError(f"not an mlx-lm model directory: {path} (not a directory)")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"not an mlx-lm model directory: {path} (no config.json)")
+    return path
+
+
+def _looks_like_path(ref: str) -> bool:
+    if ref.startswith(("/", ".", "~")):
+        return True
+    return (os.sep in ref or "/" in ref) and not _REPO_ID.fullmatch(ref)
+
+
+def _hub_offline() -> bool:
+    # huggingface_hub reads HF_HUB_OFFLINE once at import; re-read it so late settings count.
+    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    offline = _hub_offline()
+    try:
+        path = snapshot_download(
+            repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
+        )
+    except Exception as e:  # hub errors come from requests/httpx/hf_hub: all mean "can't get it"
+        kind = type(e).__name__
+        if kind in ("RepositoryNotFoundError", "RevisionNotFoundError", "GatedRepoError"):
+            raise ModelError(
+                f"could not fetch {repo_id!r} from the Hugging Face hub: {kind} "
+                "(check the name/revision, or log in with `hf auth login` for gated repos)"
+            ) from e
+        raise ModelError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub (offline or unreachable): "
+            "set HF_HUB_OFFLINE=1 with the model in the local HF cache, or pass a local directory"
+        ) from e
+    return _check_model_dir(Path(path))
+
+
+def resolve_model_path(ref: str, revision: str | None = None) -> Path:
+    """Local directory holding an mlx-lm model for `ref`, fetching or converting it if needed."""
+    if ref.startswith(BUILTIN_PREFIX):
+        from dspark_flow.models.embedded import ensure_builtin
+
+        return ensure_builtin(ref[len(BUILTIN_PREFIX) :])
+    local = Path(ref).expanduser()
+    if local.exists():
+        return _check_model_dir(local)
+    if _looks_like_path(ref):
+        raise ModelError(f"model path not found: {ref}")
+    return _snapshot(ref, revision)
+
+
+def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple[Any, Any]:
+    """Load (model, TokenizerWrapper) from an mlx-lm directory, in weight format `weights`."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = _check_model_dir(Path(path))
+    fmt = choose_weight_format(weights)  # validate before spending time on loading
+    try:
+        model, config = load_model(path)
+    except json.JSONDecodeError as e:
+        raise ModelError(f"corrupt config in {path}: {_first_line(e)}") from e
+    except FileNotFoundError as e:
+        raise ModelError(f"incomplete model directory {path}: {_first_line(e)}") from e
+    except Exception as e:  # bad safetensors header, shape mismatch, unknown model_type ...
+        raise ModelError(f"could not load model from {path}: {_first_line(e)}") from e
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        raise ModelError(f"could not load tokenizer from {path}: {_first_line(e)}") from e
+    apply_weight_format(model, fmt)
+    return model, tokenizer
+
+
+def load(ref: str, weights: str = "auto", revision: str | None = None) -> tuple[Any, Any]:
+    """resolve_model_path + load_model_dir."""
+    return load_model_dir(resolve_model_path(ref, revision), weights)

@@ -1,0 +1,202 @@
+"""`Pipeline`: a recipe made runnable.
+
+Construction is cheap (strategies are instantiated from their validated configs, nothing is
+loaded); `warm_up()` loads the target and lets every strategy load or check what it needs;
+`generate()` / `events()` run the decode loop. Per-request changes (sampling, stop strings, token
+budget) swap in fresh strategy objects for that request only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark_flow import registry
+from dspark_flow.engine.decode import Components, DoneEvent, Event, TextEvent, decode
+from dspark_flow.errors import DsparkFlowError
+from dspark_flow.log import get_logger
+from dspark_flow.recipe.load import load_recipe, validate
+from dspark_flow.recipe.schema import Recipe
+from dspark_flow.result import GenResult
+from dspark_flow.strategy import BuildContext, StopRule, Strategy, StrategyConfig
+
+log = get_logger()
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+
+
+def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strategy:
+    """Instantiate the strategy a config names (validating a plain dict first)."""
+    if isinstance(config, dict):
+        cls = registry.load_kind(slot, str(config.get("kind")))
+        config = cls.Config.model_validate(config)
+    else:
+        cls = registry.load_kind(slot, config.kind)
+    return cls(config)
+
+
+class Pipeline:
+    def __init__(self, recipe: Recipe, target: tuple[Any, Any] | None = None, **strategies: Any):
+        """`target` is an already loaded (model, tokenizer); `strategies` may pass ready
+        strategy objects by slot name (e.g. `drafter=...`) instead of building from the recipe."""
+        self.recipe = recipe
+        self._target = target
+        self.drafter = strategies.get("drafter") or build_strategy("drafter", recipe.drafter)
+        self.verifier = strategies.get("verifier") or build_strategy("verifier", recipe.verifier)
+        self.sampler = strategies.get("sampler") or build_strategy("sampler", recipe.sampler)
+        self.draft_cap = strategies.get("draft_cap") or build_strategy("draft_cap", recipe.draft_cap)
+        self.cache = strategies.get("cache") or build_strategy("cache", recipe.cache)
+        self.stops: list[StopRule] = [build_strategy("stop", s) for s in recipe.stop]  # type: ignore[misc]
+        self.components: Components | None = None
+
+    @classmethod
+    def from_yaml(
+        cls, path: str | Path, overrides: list[str] | None = None, target: Any = None
+    ) -> Pipeline:
+        return cls(load_recipe(path, overrides), target=target)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], target: Any = None, **strategies: Any) -> Pipeline:
+        return cls(validate(data), target=target, **strategies)
+
+    # -- warm-up -----------------------------------------------------------------------------
+
+    def warm_up(self) -> Pipeline:
+        if self.components is not None:
+            return self
+        if self._target is None:
+            from dspark_flow.models.loading import load_model_dir, resolve_model_path
+
+            spec = self.recipe.target
+            self._target = load_model_dir(resolve_model_path(spec.model, spec.revision), spec.weights)
+        model, tokenizer = self._target
+        ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=self.recipe)
+        # Order matters: the drafter may need the sampler, the cache checks the drafter.
+        for strategy in (self.sampler, self.verifier, self.drafter):
+            strategy.warm_up(ctx)
+        ctx.sampler, ctx.drafter = self.sampler, self.drafter  # type: ignore[assignment]
+        for strategy in (self.cache, self.draft_cap, *self.stops):
+            strategy.warm_up(ctx)
+        self.components = Components(
+            model=model,
+            tokenizer=tokenizer,
+            drafter=self.drafter,  # type: ignore[arg-type]
+            verifier=self.verifier,  # type: ignore[arg-type]
+            sampler=self.sampler,  # type: ignore[arg-type]
+            draft_cap=self.draft_cap,  # type: ignore[arg-type]
+            cache=self.cache,  # type: ignore[arg-type]
+            stops=self.stops,
+        )
+        return self
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.warm_up().components.tokenizer  # type: ignore[union-attr]
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Text -> ids through the chat template (when the recipe asks and the model has one)."""
+        tok = self.tokenizer
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)  # already token ids
+        use_chat = self.recipe.prompt.chat if chat is None else chat
+        if isinstance(prompt, str):
+            if not (use_chat and getattr(tok, "has_chat_template", False)):
+                return list(tok.encode(prompt))
+            messages: list[dict[str, str]] = []
+            if self.recipe.prompt.system:
+                messages.append({"role": "system", "content": self.recipe.prompt.system})
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages = [dict(m) for m in prompt]
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+    # -- generation --------------------------------------------------------------------------
+
+    def _request_components(
+        self,
+        max_new_tokens: int | None,
+        sampler: StrategyConfig | dict[str, Any] | None,
+        stop: Sequence[str] | None,
+    ) -> Components:
+        base = self.warm_up().components
+        assert base is not None
+        changes: dict[str, Any] = {}
+        ctx = BuildContext(model=base.model, tokenizer=base.tokenizer, recipe=self.recipe)
+        if sampler is not None:
+            changes["sampler"] = build_strategy("sampler", sampler)
+            changes["sampler"].warm_up(ctx)
+        if max_new_tokens is not None or stop:
+            stops = [s for s in base.stops if max_new_tokens is None or s.token_budget is None]
+            extra: list[dict[str, Any]] = []
+            if max_new_tokens is not None:
+                extra.append({"kind": "max_tokens", "limit": max_new_tokens})
+            if stop:
+                extra.append({"kind": "strings", "strings": list(stop)})
+            for config in extra:
+                rule = build_strategy("stop", config)
+                rule.warm_up(ctx)
+                stops.append(rule)  # type: ignore[arg-type]
+            changes["stops"] = stops
+        return base.with_request(**changes) if changes else base
+
+    def events(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int | None = None,
+        sampler: StrategyConfig | dict[str, Any] | None = None,
+        stop: Sequence[str] | None = None,
+        chat: bool | None = None,
+        stream_text: bool = True,
+    ) -> Iterator[Event]:
+        """Yield `TextEvent`s of committed text, then one `DoneEvent` with the `GenResult`."""
+        started = time.perf_counter()
+        components = self._request_components(max_new_tokens, sampler, stop)
+        prompt_ids = self.encode_prompt(prompt, chat)
+        if not prompt_ids:
+            raise DsparkFlowError("the prompt is empty")
+        for event in decode(components, prompt_ids, stream_text=stream_text, started=started):
+            if isinstance(event, DoneEvent):
+                r = event.result
+                log.info(
+                    "generation",
+                    tokens=r.num_tokens,
+                    prompt_tokens=len(prompt_ids),
+                    decode_tok_s=round(r.decode_tokens_per_sec, 2),
+                    tok_s=round(r.tokens_per_sec, 2),
+                    tau=round(r.mean_accept_len, 3),
+                    rounds=r.num_rounds,
+                    ttft_s=round(r.ttft_seconds, 3),
+                    finish=r.finish_reason,
+                )
+            yield event
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int | None = None,
+        sampler: StrategyConfig | dict[str, Any] | None = None,
+        stop: Sequence[str] | None = None,
+        chat: bool | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenResult:
+        result: GenResult | None = None
+        for event in self.events(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            stop=stop,
+            chat=chat,
+            stream_text=on_text is not None,
+        ):
+            if isinstance(event, TextEvent) and on_text is not None:
+                on_text(event.text)
+            elif isinstance(event, DoneEvent):
+                result = event.result
+        assert result is not None
+        return result

@@ -1,0 +1,222 @@
+"""Load a recipe from YAML, apply `--set` overrides, validate, and report every problem at once.
+
+Each problem is one line, `file:line:col dotted.path: message`, with the position taken from the
+YAML node the problem is about (pydantic's `loc` walked through `yaml.compose`'s node tree).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from dspark_flow import registry
+from dspark_flow.errors import RecipeError, RegistryError
+from dspark_flow.recipe.schema import SLOT_DEFAULTS, Recipe, RecipeShape
+
+Loc = tuple[str | int, ...]
+
+
+class _Located:
+    """Maps a dotted location in the data to a `line:col` in the YAML text."""
+
+    def __init__(self, source: str, root: yaml.Node | None, overridden: dict[Loc, str]):
+        self.source = source
+        self.root = root
+        self.overridden = overridden
+
+    def where(self, loc: Loc, at_key: bool = False) -> str:
+        """Position of the value at `loc` (of its key with `at_key`, for unknown fields)."""
+        for prefix_len in range(len(loc), 0, -1):
+            if loc[:prefix_len] in self.overridden:
+                return f"--set {self.overridden[loc[:prefix_len]]}"
+        node = self.root
+        for i, part in enumerate(loc):
+            child = _child(node, part, at_key=at_key and i == len(loc) - 1)
+            if child is None:
+                break
+            node = child
+        if node is None:
+            return self.source
+        mark = node.start_mark
+        return f"{self.source}:{mark.line + 1}:{mark.column + 1}"
+
+    def problem(self, loc: Loc, message: str, at_key: bool = False) -> str:
+        path = ".".join(str(p) for p in loc) or "(recipe)"
+        return f"{self.where(loc, at_key)} {path}: {message}"
+
+
+def _child(node: yaml.Node | None, part: str | int, at_key: bool = False) -> yaml.Node | None:
+    if isinstance(node, yaml.MappingNode):
+        found = None
+        for key, value in node.value:
+            if key.value == part:  # the last of duplicate keys wins, as in the loaded data
+                found = key if at_key else value
+        if found is not None:
+            return found
+    if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+        return node.value[part]
+    return None
+
+
+def _duplicate_keys(node: yaml.Node | None, loc: Loc = ()) -> list[tuple[Loc, str]]:
+    """PyYAML keeps the last of two equal keys silently; a recipe should not."""
+    found: list[tuple[Loc, str]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            if key.value in seen:
+                found.append(((*loc, key.value), "duplicate key"))
+            seen.add(key.value)
+            found.extend(_duplicate_keys(value, (*loc, key.value)))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            found.extend(_duplicate_keys(value, (*loc, i)))
+    return found
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """`draft_cap.k=4` -> (["draft_cap", "k"], 4); the value is read as a YAML scalar."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {text}: expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {text}: value is not valid YAML ({exc})") from None
+    path: list[str | int] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[Loc, str]:
+    """Apply `--set` overrides in place; return which locations they touched."""
+    touched: dict[Loc, str] = {}
+    for text in overrides:
+        path, value = parse_override(text)
+        node: Any = data
+        for i, part in enumerate(path[:-1]):
+            nxt = path[i + 1]
+            if isinstance(node, list):
+                if not isinstance(part, int) or part >= len(node):
+                    raise RecipeError(f"--set {text}: no item {part} in {'.'.join(map(str, path[:i]))}")
+                node = node[part]
+                continue
+            if not isinstance(node, dict):
+                raise RecipeError(f"--set {text}: {'.'.join(map(str, path[:i]))} is not a mapping")
+            if part not in node or node[part] is None:
+                node[part] = (
+                    copy.deepcopy(SLOT_DEFAULTS[part])
+                    if part in SLOT_DEFAULTS and i == 0
+                    else ([] if isinstance(nxt, int) else {})
+                )
+            node = node[part]
+        last = path[-1]
+        if isinstance(node, list) and isinstance(last, int) and last < len(node):
+            node[last] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise RecipeError(f"--set {text}: cannot set {'.'.join(map(str, path))}")
+        touched[tuple(path)] = text
+    return touched
+
+
+def _pydantic_problems(exc: ValidationError, where: _Located, prefix: Loc) -> list[str]:
+    out = []
+    for err in exc.errors():
+        loc = (*prefix, *err["loc"])
+        if err["type"] == "extra_forbidden":
+            out.append(where.problem(loc, "unknown field", at_key=True))
+        else:
+            out.append(where.problem(loc, err["msg"]))
+    return out
+
+
+def _validate_slot(
+    slot: str, section: Any, loc: Loc, where: _Located, problems: list[str]
+) -> Any:
+    if not isinstance(section, dict):
+        problems.append(where.problem(loc, f"expected a mapping with a 'kind', got {section!r}"))
+        return None
+    kind = section.get("kind")
+    if not isinstance(kind, str):
+        problems.append(where.problem((*loc, "kind"), f"missing 'kind' (installed: {registry.describe_installed(slot)})"))
+        return None
+    try:
+        cls = registry.load_kind(slot, kind)
+    except RegistryError as exc:
+        problems.append(where.problem((*loc, "kind"), str(exc)))
+        return None
+    try:
+        return cls.Config.model_validate(section)
+    except ValidationError as exc:
+        problems.extend(_pydantic_problems(exc, where, loc))
+        return None
+
+
+def validate(
+    data: Any,
+    source: str = "<recipe>",
+    root: yaml.Node | None = None,
+    overridden: dict[Loc, str] | None = None,
+) -> Recipe:
+    where = _Located(source, root, overridden or {})
+    problems = [where.problem(loc, msg, at_key=True) for loc, msg in _duplicate_keys(root)]
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(where.problem((), f"a recipe is a mapping, got {type(data).__name__}"))
+    try:
+        shape = RecipeShape.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(problems + _pydantic_problems(exc, where, ())) from None
+
+    sections: dict[str, Any] = {}
+    for slot in ("drafter", "verifier", "sampler", "draft_cap", "cache"):
+        sections[slot] = _validate_slot(slot, getattr(shape, slot), (slot,), where, problems)
+    sections["stop"] = [
+        _validate_slot("stop", s, ("stop", i), where, problems) for i, s in enumerate(shape.stop)
+    ]
+    if problems:
+        raise RecipeError(problems)
+    return Recipe(
+        version=shape.version,
+        name=shape.name,
+        description=shape.description,
+        target=shape.target,
+        prompt=shape.prompt,
+        **sections,
+    )
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file; raise `RecipeError` listing every problem."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{source}: recipe file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{source}: cannot read recipe ({exc})") from None
+    return loads_recipe(text, source=source, overrides=overrides)
+
+
+def loads_recipe(
+    text: str, source: str = "<recipe>", overrides: list[str] | None = None
+) -> Recipe:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{source}{pos} malformed YAML: {reason}") from None
+    if data is None:
+        data = {}
+    overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else {}
+    return validate(data, source=source, root=root, overridden=overridden)

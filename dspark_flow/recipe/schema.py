@@ -1,0 +1,88 @@
+"""The recipe as pure data: pydantic models, `extra="forbid"` everywhere.
+
+Slot sections are validated in two steps (see `dspark_flow.recipe.load`): the outer shape here,
+then each section against the `Config` of the kind it names, imported from the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+
+from dspark_flow.strategy import StrategyConfig
+
+WeightFormat = Literal["auto", "native", "float32", "bfloat16", "float16"]
+
+DEFAULT_MODEL = "builtin:smollm2-135m"
+
+# Sections a recipe may leave out, with the kinds they default to.
+SLOT_DEFAULTS: dict[str, Any] = {
+    "drafter": {"kind": "none"},
+    "verifier": {"kind": "reference"},
+    "sampler": {"kind": "greedy"},
+    "draft_cap": {"kind": "fixed"},
+    "cache": {"kind": "kv"},
+    "stop": [{"kind": "eos"}, {"kind": "max_tokens"}],
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetSpec(_Strict):
+    model: str = Field(DEFAULT_MODEL, description="builtin:<name>, a hub repo id or a local dir")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
+    weights: WeightFormat = Field(
+        "auto",
+        description="auto picks per backend: float32 on CPU (flat verify cost), native elsewhere",
+    )
+
+
+class PromptSpec(_Strict):
+    chat: bool = Field(True, description="wrap prompts in the target's chat template")
+    system: str | None = Field(None, description="system message for chat prompts")
+
+
+class RecipeShape(_Strict):
+    """Step one: everything but the contents of the slot sections."""
+
+    version: Literal[1] = 1
+    name: str | None = None
+    description: str | None = None
+    target: TargetSpec = TargetSpec()
+    prompt: PromptSpec = PromptSpec()
+    drafter: dict[str, Any] = Field(default_factory=lambda: dict(SLOT_DEFAULTS["drafter"]))
+    verifier: dict[str, Any] = Field(default_factory=lambda: dict(SLOT_DEFAULTS["verifier"]))
+    sampler: dict[str, Any] = Field(default_factory=lambda: dict(SLOT_DEFAULTS["sampler"]))
+    draft_cap: dict[str, Any] = Field(default_factory=lambda: dict(SLOT_DEFAULTS["draft_cap"]))
+    cache: dict[str, Any] = Field(default_factory=lambda: dict(SLOT_DEFAULTS["cache"]))
+    stop: list[dict[str, Any]] = Field(
+        default_factory=lambda: [dict(s) for s in SLOT_DEFAULTS["stop"]]
+    )
+
+
+class Recipe(_Strict):
+    """A validated recipe: the slot sections are the named kinds' own config objects."""
+
+    version: Literal[1] = 1
+    name: str | None = None
+    description: str | None = None
+    target: TargetSpec = TargetSpec()
+    prompt: PromptSpec = PromptSpec()
+    drafter: SerializeAsAny[StrategyConfig]
+    verifier: SerializeAsAny[StrategyConfig]
+    sampler: SerializeAsAny[StrategyConfig]
+    draft_cap: SerializeAsAny[StrategyConfig]
+    cache: SerializeAsAny[StrategyConfig]
+    stop: list[SerializeAsAny[StrategyConfig]]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+        from dspark_flow.recipe.load import validate
+
+        return validate(data, source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)

@@ -1,0 +1,186 @@
+"""The contracts between the decode loop and the strategies that fill its six slots.
+
+Each strategy is a class with a pydantic `Config` (its recipe section, `extra="forbid"`, with a
+`kind` literal), a cheap `__init__(config)` that only stores settings, and a heavy `warm_up(ctx)`
+that loads weights or allocates buffers. The decode loop in `dspark_flow.engine.decode` only
+talks to these base classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+SLOTS: tuple[str, ...] = ("drafter", "verifier", "sampler", "draft_cap", "cache", "stop")
+
+
+class StrategyConfig(BaseModel):
+    """Base of every strategy's recipe section."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: str
+
+
+@dataclass
+class BuildContext:
+    """What a strategy may look at while it warms up."""
+
+    model: nn.Module
+    tokenizer: Any
+    recipe: Any
+    sampler: Sampler | None = None
+    drafter: Drafter | None = None
+
+
+class Strategy:
+    slot: ClassVar[str]
+    Config: ClassVar[type[StrategyConfig]] = StrategyConfig
+
+    def __init__(self, config: StrategyConfig | None = None):
+        self.config = config if config is not None else self.Config()  # type: ignore[call-arg]
+
+    def warm_up(self, ctx: BuildContext) -> None:
+        """Load weights, check compatibility with the other slots. Called once before use."""
+
+
+# -- drafter -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    """Up to k proposed tokens, with the distributions they were drawn from when known.
+
+    `probs` (k, vocab) is None for drafters that have no distribution (lookup): the sampler
+    then treats each proposal as drawn from a one-hot distribution.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    probs: mx.array | None = None
+
+
+class Drafter(Strategy):
+    slot = "drafter"
+
+    @property
+    def max_draft(self) -> int | None:
+        """Most tokens one round can propose (the block size); None when unbounded."""
+        return None
+
+    def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
+        """A new generation starts from these prompt tokens, sampling with `sampler`."""
+
+    def propose(self, history: list[int], k: int) -> Draft:
+        """Propose up to k tokens that follow `history` (prompt + committed tokens)."""
+        raise NotImplementedError
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """How the last round went (for adaptive drafters)."""
+
+
+# -- verifier ----------------------------------------------------------------------------------
+
+
+class Verifier(Strategy):
+    slot = "verifier"
+
+    def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
+        """Run the target on `tokens` appended to `cache`; return logits (len(tokens), vocab)."""
+        raise NotImplementedError
+
+
+# -- sampler -----------------------------------------------------------------------------------
+
+
+class Sampler(Strategy):
+    slot = "sampler"
+
+    @property
+    def greedy(self) -> bool:
+        return True
+
+    def begin(self) -> None:
+        """A new generation starts (reset the random stream to the seed)."""
+
+    def probs(self, logits: mx.array) -> mx.array:
+        """The distribution tokens are drawn from, after temperature and truncation."""
+        raise NotImplementedError
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """Draw one token per row of `logits` (lazy, no host sync)."""
+        raise NotImplementedError
+
+    def verify(self, logits: mx.array, draft: Draft) -> tuple[int, int]:
+        """Accept a prefix of `draft` against target `logits` (k+1 rows).
+
+        Returns (number accepted, the target's next token). One host sync at most.
+        """
+        raise NotImplementedError
+
+
+# -- draft cap ---------------------------------------------------------------------------------
+
+
+class DraftCap(Strategy):
+    slot = "draft_cap"
+
+    def choose(self, drafter_max: int | None) -> int:
+        """How many tokens to draft this round."""
+        raise NotImplementedError
+
+    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+        """Feedback after each round."""
+
+
+# -- cache -------------------------------------------------------------------------------------
+
+
+class CacheStrategy(Strategy):
+    slot = "cache"
+
+    def new(self, model: nn.Module, prompt_ids: list[int]) -> tuple[list[Any], int]:
+        """A cache for a generation; returns it with how many prompt tokens it already holds."""
+        raise NotImplementedError
+
+    def trim(self, cache: list[Any], n: int) -> None:
+        """Drop the last n entries (the rejected draft tail)."""
+        raise NotImplementedError
+
+    def finish(self, cache: list[Any], token_ids: list[int]) -> None:
+        """The generation is over; `token_ids` are what the cache holds (for prefix reuse)."""
+
+
+# -- stop --------------------------------------------------------------------------------------
+
+
+class StopRule(Strategy):
+    slot = "stop"
+
+    def check_tokens(self, generated: list[int], start: int) -> int | None:
+        """Index in `generated` (at or after `start`) where output ends, or None.
+
+        The token at the returned index and everything after it is dropped.
+        """
+        return None
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop"
+
+    @property
+    def token_budget(self) -> int | None:
+        """Most tokens this rule lets a generation make (lets the loop stop drafting early)."""
+        return None
+
+    def check_text(self, text: str, start: int) -> int | None:
+        """Character index where the text ends (the stop string is cut), or None."""
+        return None
+
+    def holdback(self, text: str) -> int:
+        """How many trailing characters to withhold from streaming (a stop string may start)."""
+        return 0

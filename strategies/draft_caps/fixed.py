@@ -1,0 +1,22 @@
+"""draft_cap `fixed`: the same k every round (clipped to what the drafter can propose)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dspark_flow.strategy import DraftCap, StrategyConfig
+
+
+class FixedCapConfig(StrategyConfig):
+    kind: Literal["fixed"] = "fixed"
+    k: int = Field(4, ge=1, description="tokens to draft per round")
+
+
+class FixedCap(DraftCap):
+    Config = FixedCapConfig
+    config: FixedCapConfig
+
+    def choose(self, drafter_max: int | None) -> int:
+        return self.config.k if drafter_max is None else min(self.config.k, drafter_max)

@@ -1,0 +1,100 @@
+"""drafter `draft_model`: classic speculative decoding with a second, smaller mlx-lm model.
+
+The draft model keeps its own KV cache. Instead of rolling it back by hand after each round, it
+remembers which tokens it has fed and, before drafting, trims back to the longest prefix shared
+with the committed history and feeds the rest: the cache can never drift out of step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from pydantic import Field
+
+from dspark_flow.errors import ConfigError
+from dspark_flow.recipe.schema import WeightFormat
+from dspark_flow.strategy import BuildContext, Draft, Drafter, Sampler, StrategyConfig
+
+
+class DraftModelConfig(StrategyConfig):
+    kind: Literal["draft_model"] = "draft_model"
+    model: str = Field(..., description="builtin:<name>, hub repo id or local mlx-lm directory")
+    revision: str | None = None
+    weights: WeightFormat = "auto"
+
+
+class DraftModelDrafter(Drafter):
+    Config = DraftModelConfig
+    config: DraftModelConfig
+
+    def __init__(self, config: DraftModelConfig | None = None, model: Any = None):
+        super().__init__(config)
+        self.model: nn.Module | None = model
+        self._cache: list[Any] = []
+        self._fed: list[int] = []
+        self._sampler: Sampler | None = None
+
+    def warm_up(self, ctx: BuildContext) -> None:
+        if self.model is None:
+            from dspark_flow.models.loading import load_model_dir, resolve_model_path
+
+            path = resolve_model_path(self.config.model, self.config.revision)
+            self.model, tokenizer = load_model_dir(path, weights=self.config.weights)
+            check_same_tokenizer(ctx.tokenizer, tokenizer, self.config.model)
+        if not can_trim_prompt_cache(make_prompt_cache(self.model)):
+            raise ConfigError(f"draft model {self.config.model}: its cache cannot be trimmed")
+
+    def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
+        self._cache = make_prompt_cache(self.model)
+        self._fed = []
+        self._sampler = sampler
+
+    def _catch_up(self, history: list[int]) -> mx.array:
+        """Bring the cache in step with `history`; return logits for the token after it."""
+        common = 0
+        for a, b in zip(self._fed, history):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(history) - 1)  # always feed at least one token
+        if len(self._fed) > common:
+            trim_prompt_cache(self._cache, len(self._fed) - common)
+        logits = self.model(mx.array(history[common:], dtype=mx.uint32)[None], cache=self._cache)
+        self._fed = list(history)
+        return logits[0, -1]
+
+    def propose(self, history: list[int], k: int) -> Draft:
+        assert self._sampler is not None, "begin() first"
+        greedy = self._sampler.greedy
+        logits = self._catch_up(history)
+        tokens: list[mx.array] = []
+        dists: list[mx.array] = []
+        for i in range(k):
+            if greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                q = self._sampler.probs(logits[None])[0]
+                dists.append(q)
+                token = self._sampler.sample_from(q)
+            tokens.append(token)
+            if i + 1 < k:  # the last draft token is fed next round, if accepted
+                logits = self.model(token.reshape(1, 1).astype(mx.uint32), cache=self._cache)[0, -1]
+        ids = mx.stack(tokens).tolist()
+        self._fed += ids[:-1]
+        return Draft(tokens=ids, probs=mx.stack(dists) if dists else None)
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any, name: str) -> None:
+    """Speculation compares token ids, so both models must share one vocabulary."""
+    target_vocab = target_tok.get_vocab()
+    draft_vocab = draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differ = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise ConfigError(
+            f"draft model {name} has a different tokenizer from the target "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differ} entries differ); "
+            "a draft model must share the target's vocabulary"
+        )

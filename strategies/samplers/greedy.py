@@ -1,0 +1,37 @@
+"""sampler `greedy`: take the target's argmax; a draft is accepted while it equals it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import mlx.core as mx
+
+from dspark_flow.strategy import Draft, Sampler, StrategyConfig
+
+
+class GreedyConfig(StrategyConfig):
+    kind: Literal["greedy"] = "greedy"
+
+
+def greedy_verify(logits: mx.array, draft: Draft) -> tuple[int, int]:
+    """Longest prefix of the draft equal to the target's argmax, plus the argmax after it."""
+    choices = mx.argmax(logits, axis=-1).tolist()  # the round's one host sync
+    n = 0
+    for proposed, chosen in zip(draft.tokens, choices):
+        if proposed != chosen:
+            break
+        n += 1
+    return n, choices[n]
+
+
+class GreedySampler(Sampler):
+    Config = GreedyConfig
+
+    def probs(self, logits: mx.array) -> mx.array:
+        return mx.softmax(logits.astype(mx.float32), axis=-1)
+
+    def sample(self, logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1)
+
+    def verify(self, logits: mx.array, draft: Draft) -> tuple[int, int]:
+        return greedy_verify(logits, draft)

@@ -1,0 +1,162 @@
+"""The decode loop on the real embedded model: lossless speculation at T=0, stops, streaming,
+finish reasons, seeds, and build-time refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_flow.api import draft_model_generate, greedy_generate, lookup_generate
+from dspark_flow.errors import ConfigError, RecipeError
+from dspark_flow.pipeline import Pipeline
+
+PROMPTS = [
+    json.loads(line)
+    for line in (Path(__file__).parent.parent / "dspark_flow/data/prompts.jsonl").read_text().splitlines()
+]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(embedded):
+    """Plain greedy output for the first 20 prompts (computed once)."""
+    model, tok = embedded
+    return [
+        greedy_generate(model, tok, p["turns"][0], max_new_tokens=MAX_NEW) for p in PROMPTS[:20]
+    ]
+
+
+def test_greedy_answers_paris(greedy_refs):
+    assert "Paris" in greedy_refs[0].text
+    r = greedy_refs[0]
+    # Plain decoding: one token per round; an end-of-sequence token costs a round but is cut.
+    assert r.num_rounds in (r.num_tokens - 1, r.num_tokens) and r.mean_accept_len == 1.0
+    assert r.target_forwards == r.num_rounds + 1  # one prefill forward + one per round
+
+
+def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
+    model, tok = embedded
+    drafted = 0
+    for prompt, ref in zip(PROMPTS[:20], greedy_refs):
+        res = lookup_generate(model, tok, prompt["turns"][0], max_new_tokens=MAX_NEW)
+        assert res.token_ids == ref.token_ids, prompt["turns"][0][:40]
+        assert res.text == ref.text
+        assert sum(res.accept_lengths) == res.num_tokens - 1
+        drafted += res.num_tokens - 1 - res.num_rounds
+    assert drafted > 50  # the copy-heavy prompts really did accept drafts
+
+
+def test_draft_model_lossless_with_a_disagreeing_draft(embedded, greedy_refs):
+    """A random tiny draft model is rejected most of the time: every round trims the cache."""
+    from tests.tiny import tiny_model
+
+    model, tok = embedded
+    draft = tiny_model(seed=3)
+    for prompt, ref in list(zip(PROMPTS, greedy_refs))[::4]:
+        res = draft_model_generate(model, tok, draft, prompt["turns"][0], max_new_tokens=32)
+        assert res.token_ids == ref.token_ids[:32]
+
+
+def test_draft_model_lossless_with_an_agreeing_draft(embedded, greedy_refs):
+    """The target's own 4-bit weights as draft: long acceptances, bonus tokens, budget clipping."""
+    from dspark_flow.api import load_target
+
+    model, tok = embedded
+    draft, _ = load_target(weights="native")
+    for prompt, ref in list(zip(PROMPTS, greedy_refs))[1:20:6]:
+        res = draft_model_generate(model, tok, draft, prompt["turns"][0], max_new_tokens=MAX_NEW)
+        assert res.token_ids == ref.token_ids
+        assert res.mean_accept_len > 2.0
+
+
+def test_stop_string_spanning_token_boundary(embedded, greedy_refs):
+    model, tok = embedded
+    ref = greedy_refs[1]
+    # Find two neighbouring tokens and a stop string made of the end of one and start of the next.
+    for i in range(5, len(ref.token_ids) - 1):
+        a = tok.decode(ref.token_ids[i : i + 1])
+        b = tok.decode(ref.token_ids[i + 1 : i + 2])
+        if len(a.strip()) >= 2 and len(b.strip()) >= 2:
+            break
+    stop = a[-2:] + b[:2]
+    at = ref.text.find(stop)
+    assert at > 0
+    for generate in (greedy_generate, lookup_generate):
+        pieces: list[str] = []
+        res = generate(
+            model, tok, PROMPTS[1]["turns"][0], max_new_tokens=MAX_NEW, stop=[stop], on_text=pieces.append
+        )
+        assert res.text == ref.text[:at]
+        assert res.finish_reason == "stop"
+        assert "".join(pieces) == res.text
+
+
+def test_streaming_concatenation_and_utf8(embedded):
+    model, tok = embedded
+    pieces: list[str] = []
+    prompt = "Write the word café five times, then three emoji: 🙂🚀🌍"
+    res = lookup_generate(model, tok, prompt, max_new_tokens=40, on_text=pieces.append)
+    assert "".join(pieces) == res.text
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in res.text
+    assert len(pieces) > 1
+
+
+def test_finish_reasons(embedded):
+    model, tok = embedded
+    short = greedy_generate(model, tok, "Say yes.", max_new_tokens=64)
+    assert short.finish_reason == "stop"
+    assert not set(short.token_ids) & set(tok.eos_token_ids)
+    long = greedy_generate(model, tok, "Tell me a long story.", max_new_tokens=5)
+    assert long.finish_reason == "length" and long.num_tokens == 5
+
+
+def test_seeded_sampling_is_deterministic(embedded):
+    model, tok = embedded
+    kw = dict(max_new_tokens=24, temperature=1.0, top_p=0.95)
+    a = lookup_generate(model, tok, PROMPTS[15]["turns"][0], seed=11, **kw)
+    b = lookup_generate(model, tok, PROMPTS[15]["turns"][0], seed=11, **kw)
+    c = greedy_generate(model, tok, PROMPTS[3]["turns"][0], seed=11, **kw)
+    d = greedy_generate(model, tok, PROMPTS[3]["turns"][0], seed=12, **kw)
+    assert a.token_ids == b.token_ids
+    assert c.token_ids != d.token_ids
+
+
+def test_pipeline_from_yaml_and_events(embedded):
+    repo = Path(__file__).parent.parent
+    pipe = Pipeline.from_yaml(repo / "recipes/lookup.yaml", ["stop.1.limit=12"], target=embedded)
+    events = list(pipe.warm_up().events("Repeat: one two three four five six"))
+    from dspark_flow.engine.decode import DoneEvent, TextEvent
+
+    assert isinstance(events[-1], DoneEvent)
+    text = "".join(e.text for e in events if isinstance(e, TextEvent))
+    assert text == events[-1].result.text and events[-1].result.num_tokens <= 12
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["draft_cap.k=0", "sampler.temperature=-0.5", "sampler.top_p=0", "sampler.top_p=1.5"],
+)
+def test_bad_sampling_and_cap_values_fail_at_build(override):
+    section = "draft_cap.kind=fixed" if override.startswith("draft_cap") else "sampler.kind=sample"
+    repo = Path(__file__).parent.parent
+    with pytest.raises(RecipeError):
+        Pipeline.from_yaml(repo / "recipes/lookup.yaml", [section, override])
+
+
+def test_draft_model_with_other_tokenizer_is_refused(embedded, tmp_path):
+    from dspark_flow.models.embedded import ensure_builtin
+    from tests.tiny import save_tiny, tiny_model
+
+    other = save_tiny(tiny_model(seed=1), tmp_path / "draft", ensure_builtin())
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = list(vocab)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    pipe = Pipeline.from_dict(
+        {"drafter": {"kind": "draft_model", "model": str(other)}}, target=embedded
+    )
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        pipe.warm_up()

@@ -1,0 +1,133 @@
+"""Recipes: validation with positions, overrides, schema, and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_flow.errors import RecipeError
+from dspark_flow.recipe.load import load_recipe, loads_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def problems(text: str, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(RecipeError) as err:
+        loads_recipe(text, source="r.yaml", overrides=overrides)
+    return err.value.problems
+
+
+def test_shipped_recipes_validate():
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        recipe = load_recipe(path)
+        assert recipe.version == 1, path
+
+
+def test_defaults_fill_missing_sections():
+    recipe = loads_recipe("version: 1\n")
+    assert recipe.target.model == "builtin:smollm2-135m"
+    assert recipe.drafter.kind == "none" and recipe.sampler.kind == "greedy"
+    assert [s.kind for s in recipe.stop] == ["eos", "max_tokens"]
+
+
+def test_every_problem_reported_at_once_with_positions():
+    text = (
+        "version: 1\n"
+        "drafter:\n"
+        "  kind: lookpu\n"
+        "sampler: {kind: sample, temperature: -1}\n"
+        "stop:\n"
+        "  - {kind: max_tokens, limit: many}\n"
+        "  - {kind: strings, strings: [x], colour: red}\n"
+        "extra_top: 1\n"
+    )
+    found = problems(text)
+    # The outer shape fails first (unknown top-level field), with its position.
+    assert found == ["r.yaml:8:1 extra_top: unknown field"]
+    found = problems(text.replace("extra_top: 1\n", ""))
+    assert found[0].startswith("r.yaml:3:9 drafter.kind: unknown drafter 'lookpu'; did you mean 'lookup'?")
+    assert found[1].startswith("r.yaml:4:38 sampler.temperature: Input should be greater than or equal to 0")
+    assert found[2].startswith("r.yaml:6:31 stop.0.limit: Input should be a valid integer")
+    assert found[3] == "r.yaml:7:35 stop.1.colour: unknown field"
+    assert len(found) == 4
+
+
+def test_unknown_slot_and_missing_kind():
+    found = problems("verifierz: {kind: reference}\ncache: {}\n")
+    assert found == ["r.yaml:1:1 verifierz: unknown field"]
+    found = problems("cache: {}\n")
+    assert found[0].startswith("r.yaml:1:8 cache.kind: missing 'kind'")
+
+
+def test_wrong_type_of_section():
+    found = problems("drafter: lookup\n")
+    assert found[0].startswith("r.yaml:1:10 drafter: Input should be a valid dictionary")
+
+
+def test_malformed_yaml_is_one_line():
+    found = problems("drafter: {kind: lookup\nsampler: x\n")
+    assert len(found) == 1 and "malformed YAML" in found[0] and found[0].startswith("r.yaml:")
+
+
+def test_duplicate_keys_are_errors():
+    found = problems("drafter: {kind: none}\ndrafter: {kind: lookup}\n")
+    assert found == ["r.yaml:2:1 drafter: duplicate key"]
+
+
+def test_cross_field_check_in_a_strategy():
+    found = problems("drafter: {kind: lookup, min_ngram: 5, max_ngram: 2}\n")
+    assert "min_ngram must not exceed max_ngram" in found[0]
+
+
+def test_overrides_apply_and_revalidate():
+    recipe = loads_recipe(
+        "drafter: {kind: lookup}\n",
+        overrides=["drafter.max_draft=8", "draft_cap.kind=fixed", "draft_cap.k=3", "stop.1.limit=9"],
+    )
+    assert recipe.drafter.max_draft == 8
+    assert recipe.draft_cap.k == 3
+    assert recipe.stop[1].limit == 9
+    found = problems("drafter: {kind: lookup}\n", overrides=["drafter.max_draft=zero"])
+    assert found == ["--set drafter.max_draft=zero drafter.max_draft: Input should be a valid integer, unable to parse string as an integer"]
+    with pytest.raises(RecipeError, match="expected KEY.PATH=VALUE"):
+        loads_recipe("", overrides=["nonsense"])
+
+
+def test_recipe_round_trips_through_dict():
+    recipe = load_recipe(REPO / "recipes" / "sample.yaml")
+    again = type(recipe).from_dict(recipe.to_dict())
+    assert again == recipe
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dspark_flow", *args], capture_output=True, text=True)
+
+
+def test_cli_validate_and_exit_codes(tmp_path):
+    ok = run_cli("validate", *map(str, sorted((REPO / "recipes").glob("*.yaml"))))
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter: {kind: lookpu}\nsampler: {kind: greedy, temperature: 1}\n")
+    out = run_cli("validate", str(bad))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"error: {bad}:") for line in lines)
+    assert "Traceback" not in out.stderr
+    missing = run_cli("validate", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and "recipe file not found" in missing.stderr
+    unknown = run_cli("run", str(bad), "--prompt", "hi")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+
+
+def test_cli_schema_has_every_installed_kind(tmp_path):
+    out = run_cli("schema", "-o", str(tmp_path / "schema.json"))
+    assert out.returncode == 0, out.stderr
+    schema = json.loads((tmp_path / "schema.json").read_text())
+    text = json.dumps(schema)
+    for kind in ("lookup", "draft_model", "sample", "full_block", "strings", "kv", "reference"):
+        assert f'"{kind}"' in text
+    assert schema["additionalProperties"] is False

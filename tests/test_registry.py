@@ -1,0 +1,99 @@
+"""The strategy registry: entry-point discovery, lazy import, errors that name what is installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dspark_flow import registry
+from dspark_flow.errors import RegistryError
+from dspark_flow.strategy import SLOTS
+
+ACME = """
+from typing import Literal
+from dspark_flow.strategy import Draft, Drafter, StrategyConfig
+
+class TreeConfig(StrategyConfig):
+    kind: Literal["acme_tree"] = "acme_tree"
+    width: int = 2
+
+class TreeDrafter(Drafter):
+    Config = TreeConfig
+    def propose(self, history, k):
+        return Draft(tokens=history[-1:] * min(k, self.config.width))
+"""
+
+
+def test_builtins_cover_every_slot_through_entry_points():
+    for slot in SLOTS:
+        infos = registry.installed(slot)
+        assert infos, f"no {slot} kinds installed"
+        assert all(i.distribution == "dspark-flow" for i in infos)
+    assert {"none", "lookup", "draft_model"} <= set(registry.kind_names("drafter"))
+    assert set(registry.kind_names("stop")) >= {"eos", "max_tokens", "strings"}
+
+
+def test_listing_does_not_import_strategy_modules():
+    code = (
+        "import sys; from dspark_flow import registry; registry.installed();"
+        "print(any(m.startswith('dspark_flow.strategies.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_unknown_kind_names_installed_and_nearest():
+    with pytest.raises(RegistryError) as err:
+        registry.load_kind("drafter", "lookpu")
+    msg = str(err.value)
+    assert "did you mean 'lookup'" in msg
+    assert "none" in msg and "draft_model" in msg
+
+
+def test_third_party_kind_is_found_and_loaded(fake_plugin):
+    fake_plugin("acme-spec", "0.1.0", {"drafter.acme_tree": "acme_spec:TreeDrafter"}, ACME)
+    assert "acme_tree" in registry.kind_names("drafter")
+    assert "acme_tree (acme-spec 0.1.0)" in registry.describe_installed("drafter")
+    cls = registry.load_kind("drafter", "acme_tree")
+    assert cls.__name__ == "TreeDrafter"
+    assert cls(cls.Config(width=3)).propose([5, 6], 4).tokens == [6, 6, 6]
+
+
+def test_two_distributions_claiming_one_kind(fake_plugin):
+    fake_plugin("acme-spec", "0.1.0", {"drafter.lookup": "acme_spec:TreeDrafter"}, ACME)
+    with pytest.raises(RegistryError) as err:
+        registry.load_kind("drafter", "lookup")
+    assert "acme-spec 0.1.0" in str(err.value) and "dspark-flow" in str(err.value)
+    assert any(kind == "lookup" for _, kind, _ in registry.conflicts())
+
+
+def test_disable_plugins_hides_third_party(fake_plugin, monkeypatch):
+    fake_plugin("acme-spec", "0.1.0", {"drafter.acme_tree": "acme_spec:TreeDrafter"}, ACME)
+    monkeypatch.setenv("DSPARK_FLOW_DISABLE_PLUGINS", "1")
+    registry.refresh()
+    assert "acme_tree" not in registry.kind_names("drafter")
+    assert "lookup" in registry.kind_names("drafter")
+
+
+def test_broken_plugin_fails_with_one_line(fake_plugin):
+    fake_plugin("acme-spec", "0.1.0", {"drafter.broken": "acme_spec:Missing"}, ACME)
+    with pytest.raises(RegistryError) as err:
+        registry.load_kind("drafter", "broken")
+    assert "failed to import" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_entry_point_that_is_not_a_strategy(fake_plugin):
+    fake_plugin("acme-spec", "0.1.0", {"sampler.wrong": "acme_spec:TreeDrafter"}, ACME)
+    with pytest.raises(RegistryError, match="not a sampler strategy class"):
+        registry.load_kind("sampler", "wrong")
+
+
+def test_cli_list_shows_six_slots():
+    out = subprocess.run(
+        [sys.executable, "-m", "dspark_flow", "list"], capture_output=True, text=True, check=True
+    )
+    slots = {line.split(".")[0] for line in out.stdout.splitlines() if line.strip()}
+    assert slots == set(SLOTS)
+    assert "dspark-flow 0.1.0" in out.stdout

@@ -1,0 +1,124 @@
+"""End to end: speculative sampling through the whole loop gives the target's exact distribution.
+
+Thousands of generations do not fit the CI budget on the embedded model, so these tests use a
+tiny random llama (same vocabulary) as the target; the loop, samplers and drafters are the real
+ones. The first three generated tokens (top_k=3, so 27 outcomes) are compared by chi-square
+with the exact distribution, enumerated from the target. ALPHA is the false-alarm rate per test.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dspark_flow.pipeline import Pipeline
+from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler, processed_probs
+from dspark_flow.strategy import Draft, Drafter
+from tests.test_sampling_exact import ALPHA, fit_ok
+from tests.tiny import tiny_model
+
+PROMPT = [1, 504, 2031, 77, 9000]
+TOP_K = 3
+N = 500
+
+
+def next_probs(model, ids: list[int]) -> np.ndarray:
+    logits = model(mx.array(ids)[None])[0, -1]
+    return np.array(processed_probs(logits[None], 1.0, 1.0, TOP_K, 0.0)[0])
+
+
+def exact_three(model) -> dict[tuple[int, int, int], float]:
+    out: dict[tuple[int, int, int], float] = {}
+    p1 = next_probs(model, PROMPT)
+    for t1 in np.flatnonzero(p1):
+        p2 = next_probs(model, [*PROMPT, t1])
+        for t2 in np.flatnonzero(p2):
+            p3 = next_probs(model, [*PROMPT, t1, t2])
+            for t3 in np.flatnonzero(p3):
+                out[(int(t1), int(t2), int(t3))] = float(p1[t1] * p2[t2] * p3[t3])
+    return out
+
+
+class LeastLikelyDrafter(Drafter):
+    """Deliberately bad: always proposes the least likely of the target's top-k tokens
+    (one-hot, no distribution)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    @property
+    def max_draft(self) -> int:
+        return 2
+
+    def propose(self, history: list[int], k: int) -> Draft:
+        tokens: list[int] = []
+        for _ in range(k):
+            p = next_probs(self.target, history + tokens)
+            support = np.flatnonzero(p)
+            tokens.append(int(support[np.argmin(p[support])]))
+        return Draft(tokens=tokens)
+
+
+@pytest.fixture(scope="module")
+def target_and_exact(embedded):
+    target = tiny_model(seed=0)
+    return (target, embedded[1]), exact_three(target)
+
+
+@pytest.mark.parametrize("which", ["least_likely", "draft_model"])
+def test_three_token_distribution_is_exact(target_and_exact, which):
+    (target, tok), exact = target_and_exact
+    if which == "least_likely":
+        drafter: Drafter = LeastLikelyDrafter(target)
+        cap = {"kind": "fixed", "k": 2}
+    else:
+        drafter = DraftModelDrafter(DraftModelConfig(model="<tiny>"), model=tiny_model(seed=5))
+        cap = {"kind": "fixed", "k": 2}
+    recipe = {
+        "drafter": {"kind": "none"},
+        "draft_cap": cap,
+        "stop": [{"kind": "max_tokens", "limit": 3}],
+        "prompt": {"chat": False},
+    }
+    pipe = Pipeline.from_dict(recipe, target=(target, tok), drafter=drafter).warm_up()
+    outcomes = sorted(exact)
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = np.zeros(len(outcomes), np.int64)
+    drafted = 0
+    for seed in range(N):
+        sampler = {"kind": "sample", "temperature": 1.0, "top_k": TOP_K, "seed": seed}
+        res = pipe.generate(PROMPT, sampler=sampler)
+        counts[index[tuple(res.token_ids)]] += 1
+        drafted += res.num_rounds
+    assert drafted > 0
+    probs = np.array([exact[o] for o in outcomes])
+    assert abs(probs.sum() - 1) < 1e-4
+    assert fit_ok(counts, probs / probs.sum()) > ALPHA
+
+
+class AcceptAllSampler(SpeculativeSampler):
+    """A classic losslessness bug: every draft is accepted."""
+
+    def verify(self, logits, draft):
+        _, bonus = super().verify(logits[len(draft.tokens) :], Draft())
+        return len(draft.tokens), bonus
+
+
+def test_the_check_catches_a_sampler_that_accepts_everything(target_and_exact):
+    (target, tok), exact = target_and_exact
+    outcomes = sorted(exact)
+    counts = np.zeros(len(outcomes), np.int64)
+    recipe = {"draft_cap": {"kind": "fixed", "k": 2}, "prompt": {"chat": False},
+              "stop": [{"kind": "max_tokens", "limit": 3}]}
+    for seed in range(N // 5):
+        sampler = AcceptAllSampler(SampleConfig(temperature=1.0, top_k=TOP_K, seed=seed))
+        pipe = Pipeline.from_dict(
+            recipe, target=(target, tok), drafter=LeastLikelyDrafter(target), sampler=sampler
+        )
+        res = pipe.generate(PROMPT)
+        counts[outcomes.index(tuple(res.token_ids))] += 1
+    probs = np.array([exact[o] for o in outcomes])
+    assert fit_ok(counts, probs / probs.sum()) < ALPHA
