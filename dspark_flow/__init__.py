@@ -25,13 +25,30 @@ _EXPORTS = {
     "greedy_generate": "dspark_flow.api",
     "lookup_generate": "dspark_flow.api",
     "draft_model_generate": "dspark_flow.api",
+    "calibrate": "dspark_flow.api",
+    "load_pair": "dspark_flow.api",
+    "load_drafter": "dspark_flow.api",
+    "speculative_generate": "dspark_flow.api",
+    "load_dflash_pair": "dspark_flow.api",
+    "dflash_generate": "dspark_flow.api",
     "DsparkFlowError": "dspark_flow.errors",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from dspark_flow.api import draft_model_generate, greedy_generate, load_target, lookup_generate
+    from dspark_flow.api import (
+        calibrate,
+        dflash_generate,
+        draft_model_generate,
+        greedy_generate,
+        load_dflash_pair,
+        load_drafter,
+        load_pair,
+        load_target,
+        lookup_generate,
+        speculative_generate,
+    )
     from dspark_flow.errors import DsparkFlowError
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.recipe.load import load_recipe

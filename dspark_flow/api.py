@@ -124,3 +124,177 @@ def draft_model_generate(
         objects={"drafter": drafter},
         **kwargs,
     )
+
+
+def calibrate(
+    target: Any,
+    drafter: Any = None,
+    mode: str = "lookup",
+    target_repo: str | None = None,
+    drafter_repo: str | None = None,
+    force: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Measure (or load cached) draft cost curves on this machine; returns an `auto` draft cap
+    for `Pipeline(..., draft_cap=...)`. See `dspark_flow.calibration.calibrate`."""
+    from dspark_flow.calibration import calibrate as _calibrate
+
+    return _calibrate(target, drafter, mode, target_repo, drafter_repo, force, **kwargs)  # type: ignore[arg-type]
+
+
+# -- trained drafters (DSpark, DFlash) ---------------------------------------------------------
+
+
+def load_drafter(
+    checkpoint: str,
+    target: Any,
+    *,
+    kind: str | None = None,
+    revision: str | None = None,
+    quantize: int | None = 4,
+    dtype: str = "auto",
+    **options: Any,
+) -> Any:
+    """Load a DSpark/DFlash drafter checkpoint (local dir, hub id or builtin:<name>) for an
+    already loaded `target`; `kind` defaults to what the checkpoint's layout says. The drafter is
+    checked against the target (hidden size, vocabulary, depth) and its feature taps installed."""
+    from dspark_flow import registry
+    from dspark_flow.models.drafter_loading import DEEPSPEC, read_spec
+    from dspark_flow.models.loading import resolve_model_path
+    from dspark_flow.strategy import BuildContext
+
+    path = resolve_model_path(checkpoint, revision)
+    if kind is None:
+        kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
+    cls = registry.load_kind("drafter", kind)
+    drafter = cls(
+        cls.Config(
+            checkpoint=checkpoint, revision=revision, quantize=quantize, dtype=dtype, **options
+        )
+    )
+    drafter.load_path(path)
+    drafter.warm_up(BuildContext(model=target, tokenizer=None, recipe=None))
+    return drafter
+
+
+def load_pair(
+    target: str | None = None,
+    drafter: str | None = None,
+    revision: str | None = None,
+    *,
+    drafter_revision: str | None = None,
+    kind: str | None = None,
+    quantize: int | None = 4,
+    weights: str = "auto",
+) -> tuple[Any, Any, Any, Any]:
+    """Load a target and its trained drafter: (model, tokenizer, drafter, drafter config).
+
+    With `drafter` None the drafter is looked up by target name in the drafter table (any
+    quantization of a known target matches; `kind` picks 'dspark' or 'dflash' when a target has
+    both). `revision` pins the target, `drafter_revision` the drafter."""
+    from dspark_flow.models.drafter_loading import resolve_drafter
+
+    target_ref = target or DEFAULT_MODEL
+    if drafter is None:  # before any download: an unknown target fails fast
+        entry = resolve_drafter(target_ref, kind)
+        drafter, kind = str(entry["drafter"]), str(entry["kind"])
+    model, tokenizer = load_target(target_ref, revision, weights)
+    loaded = load_drafter(drafter, model, kind=kind, revision=drafter_revision, quantize=quantize)
+    return model, tokenizer, loaded, loaded.config
+
+
+def _cap_section(cap_controller: Any, max_draft_tokens: int | None) -> tuple[dict[str, Any], Any]:
+    """(draft_cap recipe section, ready cap object or None)."""
+    if cap_controller is None:
+        if max_draft_tokens is None:
+            return {"kind": "full_block"}, None
+        return {"kind": "fixed", "k": max_draft_tokens}, None
+    if isinstance(cap_controller, dict):
+        return cap_controller, None
+    return cap_controller.config.model_dump(), cap_controller
+
+
+def speculative_generate(
+    target: Any,
+    tokenizer: Any,
+    drafter: Any,
+    prompt: Prompt,
+    *,
+    max_new_tokens: int = 300,
+    max_draft_tokens: int | None = 2,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    on_text: Callable[[str], None] | None = None,
+    cap_controller: Any = None,
+    **kwargs: Any,
+) -> GenResult:
+    """Speculative decoding with a trained drafter (from `load_pair`/`load_drafter`, or a
+    checkpoint reference). `max_draft_tokens` drafts that many per round (None: the full block);
+    `cap_controller` (a draft_cap strategy or its recipe section) overrides it."""
+    from dspark_flow.strategy import Drafter
+
+    if not isinstance(drafter, Drafter):
+        drafter = load_drafter(str(drafter), target)
+    draft_cap, cap = _cap_section(cap_controller, max_draft_tokens)
+    objects: dict[str, Any] = {"drafter": drafter}
+    if cap is not None:
+        objects["draft_cap"] = cap
+    return run_recipe(
+        target,
+        tokenizer,
+        prompt,
+        drafter=drafter.config.model_dump(),
+        draft_cap=draft_cap,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        on_text=on_text,
+        objects=objects,
+        **kwargs,
+    )
+
+
+def load_dflash_pair(
+    repo: str, revision: str | None = None, *, quantize: int | None = 4
+) -> tuple[Any, Any, Any, Any]:
+    """A target and its DFlash drafter from either name: a DFlash drafter repo listed in the
+    drafter table (its target is loaded too), or a target (its DFlash drafter is looked up)."""
+    from dspark_flow.errors import ConfigError
+    from dspark_flow.models.drafter_loading import resolve_target
+
+    entry = resolve_target(repo)
+    if entry is None:
+        return load_pair(repo, None, revision, kind="dflash", quantize=quantize)
+    if entry["kind"] != "dflash" or not entry.get("example_target"):
+        raise ConfigError(
+            f"{repo} is a {entry['kind']} drafter with no known target; use load_pair(target, {repo!r})"
+        )
+    return load_pair(
+        entry["example_target"],
+        repo,
+        None,
+        drafter_revision=revision,
+        kind="dflash",
+        quantize=quantize,
+    )
+
+
+def dflash_generate(
+    target: Any,
+    tokenizer: Any,
+    drafter: Any,
+    prompt: Prompt,
+    *,
+    max_draft_tokens: int | None = None,
+    **kwargs: Any,
+) -> GenResult:
+    """`speculative_generate` with DFlash's default of drafting the full block every round."""
+    return speculative_generate(
+        target, tokenizer, drafter, prompt, max_draft_tokens=max_draft_tokens, **kwargs
+    )

@@ -46,7 +46,9 @@ class Pipeline:
         self.drafter = strategies.get("drafter") or build_strategy("drafter", recipe.drafter)
         self.verifier = strategies.get("verifier") or build_strategy("verifier", recipe.verifier)
         self.sampler = strategies.get("sampler") or build_strategy("sampler", recipe.sampler)
-        self.draft_cap = strategies.get("draft_cap") or build_strategy("draft_cap", recipe.draft_cap)
+        self.draft_cap = strategies.get("draft_cap") or build_strategy(
+            "draft_cap", recipe.draft_cap
+        )
         self.cache = strategies.get("cache") or build_strategy("cache", recipe.cache)
         self.stops: list[StopRule] = [build_strategy("stop", s) for s in recipe.stop]  # type: ignore[misc]
         self.components: Components | None = None
@@ -70,7 +72,9 @@ class Pipeline:
             from dspark_flow.models.loading import load_model_dir, resolve_model_path
 
             spec = self.recipe.target
-            self._target = load_model_dir(resolve_model_path(spec.model, spec.revision), spec.weights)
+            self._target = load_model_dir(
+                resolve_model_path(spec.model, spec.revision), spec.weights
+            )
         model, tokenizer = self._target
         ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=self.recipe)
         # Order matters: the drafter may need the sampler, the cache checks the drafter.

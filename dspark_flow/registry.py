@@ -60,9 +60,7 @@ def _scan() -> tuple[dict[str, dict[str, list[KindInfo]]], tuple[str, ...]]:
         if (ep.name, _normalise(dist_name)) in seen:
             continue
         seen.add((ep.name, _normalise(dist_name)))
-        claims[slot].setdefault(kind, []).append(
-            KindInfo(slot, kind, ep.value, dist_name, version)
-        )
+        claims[slot].setdefault(kind, []).append(KindInfo(slot, kind, ep.value, dist_name, version))
     return claims, tuple(malformed)
 
 
@@ -137,7 +135,7 @@ def lookup(slot: str, kind: str) -> KindInfo:
     return infos[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kind(slot: str, kind: str) -> type[Strategy]:
     """Import the strategy class registered as `<slot>.<kind>`."""
     info = lookup(slot, kind)

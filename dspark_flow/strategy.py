@@ -82,6 +82,14 @@ class Drafter(Strategy):
     def observe(self, proposed: int, accepted: int) -> None:
         """How the last round went (for adaptive drafters)."""
 
+    def after_forward(self, committed: int) -> None:
+        """A target forward just ran; its first `committed` rows are now committed context.
+
+        Called after every prefill chunk (all its rows) and after every round's verification
+        ([last token] + accepted drafts, i.e. accepted + 1 rows). Drafters that read the target's
+        hidden states (taps, `dspark_flow.models.taps`) take them here; the others ignore it.
+        """
+
 
 # -- verifier ----------------------------------------------------------------------------------
 
@@ -152,7 +160,8 @@ class CacheStrategy(Strategy):
         raise NotImplementedError
 
     def finish(self, cache: list[Any], token_ids: list[int]) -> None:
-        """The generation is over; `token_ids` are what the cache holds (for prefix reuse)."""
+        """The generation is over; the cache's first `len(token_ids)` entries hold `token_ids`
+        (it may hold more: stop rules can cut committed tokens after the forward that made them)."""
 
 
 # -- stop --------------------------------------------------------------------------------------

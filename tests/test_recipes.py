@@ -49,8 +49,12 @@ def test_every_problem_reported_at_once_with_positions():
     # The outer shape fails first (unknown top-level field), with its position.
     assert found == ["r.yaml:8:1 extra_top: unknown field"]
     found = problems(text.replace("extra_top: 1\n", ""))
-    assert found[0].startswith("r.yaml:3:9 drafter.kind: unknown drafter 'lookpu'; did you mean 'lookup'?")
-    assert found[1].startswith("r.yaml:4:38 sampler.temperature: Input should be greater than or equal to 0")
+    assert found[0].startswith(
+        "r.yaml:3:9 drafter.kind: unknown drafter 'lookpu'; did you mean 'lookup'?"
+    )
+    assert found[1].startswith(
+        "r.yaml:4:38 sampler.temperature: Input should be greater than or equal to 0"
+    )
     assert found[2].startswith("r.yaml:6:31 stop.0.limit: Input should be a valid integer")
     assert found[3] == "r.yaml:7:35 stop.1.colour: unknown field"
     assert len(found) == 4
@@ -86,13 +90,20 @@ def test_cross_field_check_in_a_strategy():
 def test_overrides_apply_and_revalidate():
     recipe = loads_recipe(
         "drafter: {kind: lookup}\n",
-        overrides=["drafter.max_draft=8", "draft_cap.kind=fixed", "draft_cap.k=3", "stop.1.limit=9"],
+        overrides=[
+            "drafter.max_draft=8",
+            "draft_cap.kind=fixed",
+            "draft_cap.k=3",
+            "stop.1.limit=9",
+        ],
     )
     assert recipe.drafter.max_draft == 8
     assert recipe.draft_cap.k == 3
     assert recipe.stop[1].limit == 9
     found = problems("drafter: {kind: lookup}\n", overrides=["drafter.max_draft=zero"])
-    assert found == ["--set drafter.max_draft=zero drafter.max_draft: Input should be a valid integer, unable to parse string as an integer"]
+    assert found == [
+        "--set drafter.max_draft=zero drafter.max_draft: Input should be a valid integer, unable to parse string as an integer"
+    ]
     with pytest.raises(RecipeError, match="expected KEY.PATH=VALUE"):
         loads_recipe("", overrides=["nonsense"])
 
@@ -104,7 +115,9 @@ def test_recipe_round_trips_through_dict():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dspark_flow", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "dspark_flow", *args], capture_output=True, text=True
+    )
 
 
 def test_cli_validate_and_exit_codes(tmp_path):

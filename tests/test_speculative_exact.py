@@ -8,6 +8,8 @@ with the exact distribution, enumerated from the target. ALPHA is the false-alar
 
 from __future__ import annotations
 
+from typing import Literal
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler, processed_probs
-from dspark_flow.strategy import Draft, Drafter
+from dspark_flow.strategy import Draft, Drafter, StrategyConfig
 from tests.test_sampling_exact import ALPHA, fit_ok
 from tests.tiny import tiny_model
 
@@ -32,18 +34,24 @@ def next_probs(model, ids: list[int]) -> np.ndarray:
 def exact_three(model) -> dict[tuple[int, int, int], float]:
     out: dict[tuple[int, int, int], float] = {}
     p1 = next_probs(model, PROMPT)
-    for t1 in np.flatnonzero(p1):
+    for t1 in np.flatnonzero(p1).tolist():
         p2 = next_probs(model, [*PROMPT, t1])
-        for t2 in np.flatnonzero(p2):
+        for t2 in np.flatnonzero(p2).tolist():
             p3 = next_probs(model, [*PROMPT, t1, t2])
-            for t3 in np.flatnonzero(p3):
+            for t3 in np.flatnonzero(p3).tolist():
                 out[(int(t1), int(t2), int(t3))] = float(p1[t1] * p2[t2] * p3[t3])
     return out
+
+
+class LeastLikelyConfig(StrategyConfig):
+    kind: Literal["least_likely"] = "least_likely"
 
 
 class LeastLikelyDrafter(Drafter):
     """Deliberately bad: always proposes the least likely of the target's top-k tokens
     (one-hot, no distribution)."""
+
+    Config = LeastLikelyConfig
 
     def __init__(self, target):
         super().__init__()
@@ -111,8 +119,11 @@ def test_the_check_catches_a_sampler_that_accepts_everything(target_and_exact):
     (target, tok), exact = target_and_exact
     outcomes = sorted(exact)
     counts = np.zeros(len(outcomes), np.int64)
-    recipe = {"draft_cap": {"kind": "fixed", "k": 2}, "prompt": {"chat": False},
-              "stop": [{"kind": "max_tokens", "limit": 3}]}
+    recipe = {
+        "draft_cap": {"kind": "fixed", "k": 2},
+        "prompt": {"chat": False},
+        "stop": [{"kind": "max_tokens", "limit": 3}],
+    }
     for seed in range(N // 5):
         sampler = AcceptAllSampler(SampleConfig(temperature=1.0, top_k=TOP_K, seed=seed))
         pipe = Pipeline.from_dict(

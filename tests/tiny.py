@@ -43,7 +43,9 @@ def save_tiny(model: llama.Model, directory: Path, tokenizer_dir: Path) -> Path:
     """Write `model` as an mlx-lm directory with the tokenizer files of `tokenizer_dir`."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(tiny_args()))
-    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(
+        str(directory / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             (directory / f.name).write_bytes(f.read_bytes())

@@ -40,6 +40,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="override the token budget")
     p.add_argument("--no-chat", action="store_true", help="send the prompt without chat template")
     p.add_argument("--json", action="store_true", help="print the GenResult as JSON")
+    p.add_argument(
+        "--max-draft",
+        default=None,
+        metavar="auto|N",
+        help="draft cap shortcut: auto (learnt per round) or a fixed k",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -47,6 +53,12 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DsparkFlowError("--max-tokens must be at least 1")
+    if args.max_draft is not None:  # a --set of the whole draft_cap section; later --set refine it
+        cap = args.max_draft.strip().lower()
+        if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
+            raise DsparkFlowError(f"--max-draft {args.max_draft}: expected auto or a count >= 1")
+        section = "{kind: auto}" if cap == "auto" else f"{{kind: fixed, k: {int(cap)}}}"
+        args.overrides = [f"draft_cap={section}", *args.overrides]
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     pipeline = Pipeline.from_yaml(args.recipe, overrides=args.overrides).warm_up()
 
@@ -145,10 +157,60 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench -------------------------------------------------------------------------------------
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from dspark_flow.cli.bench import add_arguments
+
+    add_arguments(p)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dspark_flow.cli.bench import run
+
+    return run(args)
+
+
+# -- serve -------------------------------------------------------------------------------------
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from dspark_flow.cli.serve import add_arguments
+
+    add_arguments(p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dspark_flow.cli.serve import run
+
+    return run(args)
+
+
+# -- calibrate ---------------------------------------------------------------------------------
+
+
+def _calibrate_args(p: argparse.ArgumentParser) -> None:
+    from dspark_flow.cli.calibrate import add_arguments
+
+    add_arguments(p)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from dspark_flow.cli.calibrate import run
+
+    return run(args)
+
+
 COMMANDS: list[Command] = [
     Command("run", "generate from a prompt with a recipe", _run_args, _run),
     Command("validate", "check recipes without loading models", _validate_args, _validate),
-    Command("schema", "print the JSON Schema of recipes (all installed kinds)", _schema_args, _schema),
+    Command(
+        "schema", "print the JSON Schema of recipes (all installed kinds)", _schema_args, _schema
+    ),
     Command("list", "list installed strategies per slot", _list_args, _list),
     Command("models", "fetch and convert built-in models", _models_args, _models),
+    Command("bench", "compare recipes with greedy and mlx-lm baselines", _bench_args, _bench),
+    Command("serve", "serve a recipe over OpenAI/Anthropic-compatible HTTP", _serve_args, _serve),
+    Command("calibrate", "measure and cache draft cost curves", _calibrate_args, _calibrate),
 ]

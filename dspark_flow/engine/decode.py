@@ -17,7 +17,15 @@ import mlx.nn as nn
 
 from dspark_flow.engine.textstream import TextStream
 from dspark_flow.result import GenResult
-from dspark_flow.strategy import CacheStrategy, Draft, DraftCap, Drafter, Sampler, StopRule, Verifier
+from dspark_flow.strategy import (
+    CacheStrategy,
+    Draft,
+    DraftCap,
+    Drafter,
+    Sampler,
+    StopRule,
+    Verifier,
+)
 
 PREFILL_CHUNK = 512  # bounds activation memory on long prompts
 
@@ -61,16 +69,16 @@ def _prefill(c: Components, prompt_ids: list[int]) -> tuple[list[Any], mx.array,
     rest = prompt_ids[cached:]
     while len(rest) > PREFILL_CHUNK:
         c.verifier.forward(c.model, rest[:PREFILL_CHUNK], cache)
+        c.drafter.after_forward(PREFILL_CHUNK)
         mx.eval([entry.state for entry in cache])
         rest = rest[PREFILL_CHUNK:]
         forwards += 1
     logits = c.verifier.forward(c.model, rest, cache)[-1]
+    c.drafter.after_forward(len(rest))
     return cache, logits, forwards + 1
 
 
-def _first_stop(
-    stops: list[StopRule], generated: list[int], start: int
-) -> tuple[int, str] | None:
+def _first_stop(stops: list[StopRule], generated: list[int], start: int) -> tuple[int, str] | None:
     found: tuple[int, str] | None = None
     for rule in stops:
         at = rule.check_tokens(generated, start)
@@ -137,6 +145,7 @@ def decode(
         generated += [*draft.tokens[:accepted], next_token]
         accept_lengths.append(accepted + 1)
         if drafting:
+            c.drafter.after_forward(accepted + 1)  # rows of [last token, accepted drafts]
             c.drafter.observe(len(draft.tokens), accepted)
             c.draft_cap.observe(len(draft.tokens), accepted, time.perf_counter() - t_round)
 

@@ -17,7 +17,9 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stops: list[StopRule], on_text: Callable[[str], None] | None):
+    def __init__(
+        self, tokenizer: Any, stops: list[StopRule], on_text: Callable[[str], None] | None
+    ):
         self.tokenizer = tokenizer
         self.text_stops = [s for s in stops if type(s).check_text is not StopRule.check_text]
         self.on_text = on_text

@@ -125,7 +125,9 @@ def choose_weight_format(requested: str) -> str:
     speculative verification needs.
     """
     if requested not in WEIGHT_FORMATS:
-        raise ModelError(f"unknown weight format {requested!r}; use one of {', '.join(WEIGHT_FORMATS)}")
+        raise ModelError(
+            f"unknown weight format {requested!r}; use one of {', '.join(WEIGHT_FORMATS)}"
+        )
     if requested != "auto":
         return requested
     return "float32" if backend_name() == "cpu" else "native"
@@ -150,10 +152,12 @@ def apply_weight_format(model: Any, fmt: str) -> Any:
     def dequantized(_path: str, m: Any) -> Any:
         if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return m
+        # Dequantize in float32 (as llama.cpp does): float16 scales would round every weight.
+        biases = m.get("biases")
         w = mx.dequantize(
             m.weight,
-            m.scales,
-            m.get("biases"),
+            m.scales.astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32),
             group_size=m.group_size,
             bits=m.bits,
             mode=getattr(m, "mode", "affine"),

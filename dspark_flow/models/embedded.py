@@ -53,7 +53,9 @@ def cache_root() -> Path:
 
 def _spec(name: str) -> dict[str, Any]:
     if name not in BUILTIN_MODELS:
-        raise ModelError(f"unknown built-in model {name!r}; known: {', '.join(sorted(BUILTIN_MODELS))}")
+        raise ModelError(
+            f"unknown built-in model {name!r}; known: {', '.join(sorted(BUILTIN_MODELS))}"
+        )
     return BUILTIN_MODELS[name]
 
 
@@ -73,8 +75,8 @@ def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
 def _writable_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-")
-        probe.close()
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass  # mkdir succeeds on an existing read-only dir; creating a file does not
     except OSError as e:
         raise ModelError(
             f"cache directory {path} is not writable ({e.strerror or e}); "

@@ -39,6 +39,11 @@ _SUFFIXES = ("weight", "scales", "biases")
 _PRE_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _PRE_GPT2 = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
 
+# general.file_type values (llama.cpp's LLAMA_FTYPE) whose bulk tensors mx.load keeps exact:
+# F32, F16, Q4_0, Q4_1, Q8_0, BF16. mx.load silently casts other block types (K-quants, IQ*)
+# to float16, so such files are refused rather than converted at a hidden precision change.
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}
+
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF tokenizer.ggml.token_type values
 # HF name -> GGUF key stem (tokenizer.ggml.<stem>_token_id).
 _SPECIAL_IDS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
@@ -54,8 +59,16 @@ def _meta_value(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 
 def _hyperparams(meta: dict[str, Any]) -> dict[str, Any]:
     arch = _meta_value(meta, "general.architecture")
+    if arch is None:
+        raise ModelError("not a model GGUF file (no general.architecture in its metadata)")
     if arch != "llama":
         raise ModelError(f"unsupported GGUF architecture {arch!r}: only 'llama' can be converted")
+    ftype = _meta_value(meta, "general.file_type")
+    if ftype is not None and int(ftype) not in _FILE_TYPES:
+        raise ModelError(
+            f"unsupported GGUF tensor type (file_type {ftype}); "
+            f"use a {'/'.join(_FILE_TYPES.values())} GGUF"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         value = _meta_value(meta, f"llama.{key}", default)
@@ -194,16 +207,21 @@ def _write_tokenizer(meta: dict[str, Any], out: Path) -> dict[str, Any]:
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     types = meta.get("tokenizer.ggml.token_type")
     types = types.tolist() if types is not None else [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelError("invalid tokenizer in GGUF file: token_type and tokens differ in length")
 
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    try:
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    except Exception as e:  # the tokenizers library raises bare Exception
+        raise ModelError(f"invalid tokenizer in GGUF file: {e}") from e
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.pre_tokenizer = pre_tokenizers.Sequence([*split, byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # Control tokens must match as whole units (never BPE-split), and stay out of decoded text.
-    special = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+    special = [t for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    user = [t for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     tok.save(str(out / "tokenizer.json"))
 
@@ -237,7 +255,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], progress: bool = True
+) -> Path:
     """Convert `gguf_path` into an mlx-lm directory at `out_dir` (replaced if present).
 
     Everything is written into a temp dir beside `out_dir` and renamed into place at the end,

@@ -19,7 +19,15 @@ from dspark_flow.models.backend import apply_weight_format, choose_weight_format
 prefer_openblas()
 
 BUILTIN_PREFIX = "builtin:"
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -45,7 +53,10 @@ def _looks_like_path(ref: str) -> bool:
 
 def _hub_offline() -> bool:
     # huggingface_hub reads HF_HUB_OFFLINE once at import; re-read it so late settings count.
-    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in _TRUE
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:

@@ -101,7 +101,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[Loc, str
             nxt = path[i + 1]
             if isinstance(node, list):
                 if not isinstance(part, int) or part >= len(node):
-                    raise RecipeError(f"--set {text}: no item {part} in {'.'.join(map(str, path[:i]))}")
+                    raise RecipeError(
+                        f"--set {text}: no item {part} in {'.'.join(map(str, path[:i]))}"
+                    )
                 node = node[part]
                 continue
             if not isinstance(node, dict):
@@ -114,9 +116,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[Loc, str
                 )
             node = node[part]
         last = path[-1]
-        if isinstance(node, list) and isinstance(last, int) and last < len(node):
-            node[last] = value
-        elif isinstance(node, dict):
+        if (
+            isinstance(node, list)
+            and isinstance(last, int)
+            and last < len(node)
+            or isinstance(node, dict)
+        ):
             node[last] = value
         else:
             raise RecipeError(f"--set {text}: cannot set {'.'.join(map(str, path))}")
@@ -135,15 +140,17 @@ def _pydantic_problems(exc: ValidationError, where: _Located, prefix: Loc) -> li
     return out
 
 
-def _validate_slot(
-    slot: str, section: Any, loc: Loc, where: _Located, problems: list[str]
-) -> Any:
+def _validate_slot(slot: str, section: Any, loc: Loc, where: _Located, problems: list[str]) -> Any:
     if not isinstance(section, dict):
         problems.append(where.problem(loc, f"expected a mapping with a 'kind', got {section!r}"))
         return None
     kind = section.get("kind")
     if not isinstance(kind, str):
-        problems.append(where.problem((*loc, "kind"), f"missing 'kind' (installed: {registry.describe_installed(slot)})"))
+        problems.append(
+            where.problem(
+                (*loc, "kind"), f"missing 'kind' (installed: {registry.describe_installed(slot)})"
+            )
+        )
         return None
     try:
         cls = registry.load_kind(slot, kind)
@@ -205,9 +212,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     return loads_recipe(text, source=source, overrides=overrides)
 
 
-def loads_recipe(
-    text: str, source: str = "<recipe>", overrides: list[str] | None = None
-) -> Recipe:
+def loads_recipe(text: str, source: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

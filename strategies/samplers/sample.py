@@ -14,8 +14,8 @@ from typing import Literal
 import mlx.core as mx
 from pydantic import Field
 
-from dspark_flow.strategy import Draft, Sampler, StrategyConfig
 from dspark_flow.strategies.samplers.greedy import greedy_verify
+from dspark_flow.strategy import Draft, Sampler, StrategyConfig
 
 
 class SampleConfig(StrategyConfig):
@@ -24,7 +24,7 @@ class SampleConfig(StrategyConfig):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass to keep")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
     min_p: float = Field(0.0, ge=0.0, lt=1.0, description="drop tokens below min_p x the top one")
-    seed: int | None = Field(None, description="same seed, same output")
+    seed: int | None = Field(None, ge=0, lt=2**64, description="same seed, same output")
 
 
 def processed_probs(

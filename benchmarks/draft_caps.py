@@ -1,0 +1,282 @@
+"""Draft caps on this machine: fixed k = 1..16 against `calibrated` and `auto`, with lookup.
+
+Every strategy runs on the same prompts (a few per category of dspark_flow/data/prompts.jsonl)
+in the same process, interleaved (each trial visits every prompt, and for each prompt every
+strategy in a rotated order) so slow phases of a shared machine hit all strategies alike. The
+figure per prompt is the median decode time over the trials; a category's speed is its tokens
+over the sum of those medians. Output at T=0 is checked to equal plain greedy token for token.
+
+    python benchmarks/draft_caps.py                      # CPU here, or the GPU where MLX has one
+    python benchmarks/draft_caps.py --quick              # smoke run
+
+Writes results.json, table.md and verify_cost.png to --out (default out/draft_caps/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
+
+PROMPTS = Path(__file__).resolve().parent.parent / "dspark_flow" / "data" / "prompts.jsonl"
+CATEGORIES = ("chat", "code", "math", "edit")
+LOOKUP = {"kind": "lookup", "min_ngram": 2, "max_ngram": 4, "max_draft": 16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--per-category", type=int, default=2, help="prompts per category")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--ks", default="1-16", help="fixed k values: '1-16' or '1,2,4,8'")
+    p.add_argument("--model", default=None, help="target (default: the embedded model)")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--out", default="out/draft_caps")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds for the trials; no trial starts that would likely end past it",
+    )
+    p.add_argument("--quick", action="store_true", help="1 prompt per category, k in 1,4, 1 trial")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.per_category, args.ks, args.trials = 1, "1,4", 1
+    return args
+
+
+def parse_ks(text: str) -> list[int]:
+    if "-" in text and "," not in text:
+        lo, hi = (int(x) for x in text.split("-"))
+        return list(range(lo, hi + 1))
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def pick_prompts(per_category: int) -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    out: list[tuple[str, str]] = []
+    for cat in CATEGORIES:
+        out += [(cat, r["turns"][0]) for r in rows if r["category"] == cat][:per_category]
+    return out
+
+
+def machine() -> dict[str, Any]:
+    from dspark_flow.calibration.store import machine_identity
+
+    info = machine_identity()
+    info["platform"] = platform.platform()
+    return info
+
+
+def plot_curves(curves: Any, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = list(range(1, len(curves.verify[0]) + 1))
+    for depth, row in zip(curves.depths, curves.verify, strict=True):
+        ax1.plot(rows, [t * 1e3 for t in row], marker="o", ms=3, label=f"depth {depth}")
+        ax2.plot(rows, [t / row[0] for t in row], marker="o", ms=3, label=f"depth {depth}")
+    ax2.plot(rows, rows, ls=":", c="grey", label="K x one token")
+    ax1.set(xlabel="rows verified K (= k + 1)", ylabel="ms per verify round", title="verify cost")
+    ax2.set(xlabel="rows verified K (= k + 1)", ylabel="cost / cost of K=1", title="relative")
+    ax2.set_ylim(0, max(4.0, max(t / r[0] for r in curves.verify for t in r) * 1.1))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dspark_flow.api import load_target
+    from dspark_flow.calibration.obtain import obtain_curves
+    from dspark_flow.pipeline import Pipeline
+    from dspark_flow.recipe.schema import DEFAULT_MODEL
+    from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    target_ref = args.model or DEFAULT_MODEL
+    model, tok = load_target(target_ref, weights=args.weights)
+    info = machine()
+    print(f"machine: {info}", flush=True)
+
+    # The same curves the calibrated/auto caps load in warm_up (same key), measured first so the
+    # time is reported apart.
+    t0 = time.perf_counter()
+    curves, cache_path, measured = obtain_curves(
+        model,
+        LookupDrafter(LookupConfig(**LOOKUP)),
+        tokenizer=tok,
+        target_ref=target_ref,
+    )
+    calib_s = time.perf_counter() - t0
+    print(f"curves {'measured' if measured else 'cached'} in {calib_s:.1f}s: {cache_path}")
+    blas = "OpenBLAS" if info.get("blas") else "reference BLAS"
+    where = (
+        f"{info['backend']}, {info['device'].get('device_name', '?')}, {info['cpus']} CPUs, {blas}"
+    )
+    plot_curves(curves, out / "verify_cost.png", f"{target_ref} ({args.weights}) on {where}")
+
+    ks = parse_ks(args.ks)
+    target = {"model": target_ref, "weights": args.weights}
+    stops = [{"kind": "eos"}, {"kind": "max_tokens", "limit": args.max_tokens}]
+    recipes: dict[str, dict[str, Any]] = {"greedy": {"drafter": {"kind": "none"}}}
+    for k in ks:
+        recipes[f"fixed k={k}"] = {"drafter": LOOKUP, "draft_cap": {"kind": "fixed", "k": k}}
+    recipes["calibrated"] = {"drafter": LOOKUP, "draft_cap": {"kind": "calibrated"}}
+    recipes["auto"] = {"drafter": LOOKUP, "draft_cap": {"kind": "auto"}}
+    pipes = {
+        name: Pipeline.from_dict({**r, "target": target, "stop": stops}, target=(model, tok))
+        for name, r in recipes.items()
+    }
+    for pipe in pipes.values():
+        pipe.warm_up()
+    names = list(pipes)
+    prompts = pick_prompts(args.per_category)
+
+    # times[name][prompt index] = decode seconds per trial; tokens per prompt; auto's k choices.
+    times: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
+    taus: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
+    tokens: list[int] = [0] * len(prompts)
+    outputs: dict[str, list[list[int]]] = {n: [[] for _ in prompts] for n in names}
+    auto_k: dict[str, Counter[int]] = defaultdict(Counter)
+
+    def write_report() -> str:
+        mismatches = [
+            f"{n} on prompt {i}"
+            for n in names
+            for i in range(len(prompts))
+            if outputs[n][i] != outputs["greedy"][i]
+        ]
+        # Tokens per second per category: decode tokens over the sum of per-prompt median times.
+        cats = [*CATEGORIES, "all"]
+        speed: dict[str, dict[str, float]] = {}
+        for name in names:
+            speed[name] = {}
+            for cat in cats:
+                idx = [i for i, (c, _) in enumerate(prompts) if cat in (c, "all")]
+                secs = sum(statistics.median(times[name][i]) for i in idx)
+                toks = sum(tokens[i] - 1 for i in idx)
+                speed[name][cat] = toks / secs if secs > 0 else 0.0
+        fixed = [n for n in names if n.startswith("fixed")]
+        best = {c: max(fixed, key=lambda n, c=c: speed[n][c]) for c in cats}
+        checks = {
+            c: {
+                "best_fixed": best[c],
+                "auto_vs_best_fixed": speed["auto"][c] / speed[best[c]][c],
+                "auto_vs_greedy": speed["auto"][c] / speed["greedy"][c],
+                "calibrated_vs_best_fixed": speed["calibrated"][c] / speed[best[c]][c],
+            }
+            for c in cats
+        }
+        table = render(names, cats, speed, taus, prompts, checks, auto_k)
+        header = (
+            f"command: {' '.join(sys.argv)}\n"
+            f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
+            f"calibration {calib_s:.1f}s ({'measured' if measured else 'cached'})\n"
+            f"machine: {json.dumps(info)}\n"
+            f"prompts: {len(prompts)} ({args.per_category}/category), max {args.max_tokens} tokens, "
+            f"{trials_done} trials, T=0; outputs equal to greedy: "
+            f"{'yes' if not mismatches else 'NO: ' + ', '.join(mismatches)}\n"
+        )
+        (out / "table.md").write_text(header + "\n" + table + "\n")
+        result = {
+            "header": header,
+            "speed": speed,
+            "checks": checks,
+            "tokens": tokens,
+            "times": times,
+            "prompts": prompts,
+            "auto_k": {c: dict(v) for c, v in auto_k.items()},
+            "curves": curves.to_dict(),
+        }
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        return header + "\n" + table
+
+    trials_done = 0
+    t_trials = time.time()
+    for trial in range(args.trials):
+        spent = time.time() - t_trials
+        if args.time_budget and trial and spent + spent / trial > args.time_budget:
+            print(f"time budget: stopping after {trial} trials", flush=True)
+            break
+        for i, (cat, text) in enumerate(prompts):
+            shift = (trial * 7 + i * 3) % len(names)
+            for name in names[shift:] + names[:shift]:
+                cap = pipes[name].draft_cap
+                before = Counter(getattr(cap, "chosen", {}))
+                r = pipes[name].generate(text, max_new_tokens=args.max_tokens)
+                if name == "greedy":
+                    tokens[i] = r.num_tokens
+                if name == "auto":
+                    auto_k[cat] += Counter(cap.chosen) - before  # type: ignore[attr-defined]
+                times[name][i].append(decode_seconds(r))
+                taus[name][i].append(r.mean_accept_len)
+                if outputs[name][i] and outputs[name][i] != r.token_ids:
+                    print(f"warning: {name} changed its output on prompt {i}", flush=True)
+                outputs[name][i] = r.token_ids
+        trials_done = trial + 1
+        write_report()  # partial results survive an interrupted run
+        print(f"trial {trial + 1}/{args.trials} done at {time.time() - started:.0f}s", flush=True)
+
+    report = write_report()
+    print(report)
+    return 1 if "outputs equal to greedy: NO" in report else 0
+
+
+def decode_seconds(r: Any) -> float:
+    """Time after the first token (prefill is the same for every strategy)."""
+    return (r.num_tokens - 1) / r.decode_tokens_per_sec if r.decode_tokens_per_sec > 0 else 0.0
+
+
+def render(
+    names: list[str],
+    cats: list[str],
+    speed: dict[str, dict[str, float]],
+    taus: dict[str, list[list[float]]],
+    prompts: list[tuple[str, str]],
+    checks: dict[str, dict[str, Any]],
+    auto_k: dict[str, Counter[int]],
+) -> str:
+    lines = ["| strategy | " + " | ".join(f"{c} tok/s" for c in cats) + " | mean τ |"]
+    lines.append("|---" * (len(cats) + 2) + "|")
+    for name in names:
+        tau = statistics.mean(statistics.median(t) for t in taus[name])
+        cells = [f"{speed[name][c]:.1f}" for c in cats]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {tau:.2f} |")
+    lines.append("")
+    lines.append("| check | " + " | ".join(cats) + " |")
+    lines.append("|---" * (len(cats) + 1) + "|")
+    lines.append("| best fixed | " + " | ".join(checks[c]["best_fixed"] for c in cats) + " |")
+    for key, label in (
+        ("auto_vs_best_fixed", "auto / best fixed (goal >= 0.95)"),
+        ("auto_vs_greedy", "auto / greedy (goal >= 0.97)"),
+        ("calibrated_vs_best_fixed", "calibrated / best fixed"),
+    ):
+        lines.append(f"| {label} | " + " | ".join(f"{checks[c][key]:.3f}" for c in cats) + " |")
+    ks = {
+        c: ", ".join(f"{k}:{n}" for k, n in sorted(auto_k.get(c, Counter()).items()))
+        for c in cats[:-1]
+    }
+    lines.append("| auto's k (k:rounds) | " + " | ".join(ks.values()) + " | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

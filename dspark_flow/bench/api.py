@@ -1,0 +1,109 @@
+"""`bench()`: the whole benchmark in one call - plan, run, summarise, write - for the CLI and for
+Python callers (who may pass ready `Pipeline`s, e.g. with custom strategy objects)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark_flow.bench.prompts import BenchPrompt, load_prompts, select_categories
+from dspark_flow.bench.runner import BenchConfig, Progress
+from dspark_flow.errors import DsparkFlowError
+
+MISMATCH_EXIT = 3
+
+
+@dataclass
+class BenchOutcome:
+    data: dict[str, Any]
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. plots skipped
+
+    @property
+    def mismatches(self) -> list[dict[str, Any]]:
+        return self.data.get("mismatches", [])
+
+
+def write_outputs(data: dict[str, Any], out_dir: Path, plots: bool = True) -> BenchOutcome:
+    """bench.json, bench.md and (with matplotlib) the PNGs, from a complete results dict."""
+    from dspark_flow.bench import plots as plotting
+    from dspark_flow.bench.report import write_json, write_markdown
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcome = BenchOutcome(data)
+    outcome.files += [
+        write_json(data, out_dir / "bench.json"),
+        write_markdown(data, out_dir / "bench.md"),
+    ]
+    if plots:
+        if plotting.available():
+            outcome.files += plotting.make_plots(data, out_dir)
+        else:
+            outcome.notes.append(plotting.MISSING)
+    return outcome
+
+
+def bench(
+    recipes: Sequence[str | Path | Any],
+    prompts: Sequence[str | Path] | Sequence[BenchPrompt] = (),
+    *,
+    config: BenchConfig | None = None,
+    limit: int | None = None,
+    categories: Sequence[str] = (),
+    overrides: Sequence[str] = (),
+    mlx_lm: bool = True,
+    out_dir: str | Path | None = None,
+    plots: bool = True,
+    command: str = "",
+    progress: Progress | None = None,
+) -> BenchOutcome:
+    """Run `recipes` (files or ready Pipelines) and the baselines on `prompts` (files, ready
+    BenchPrompts, or nothing for the shipped set); write the report when `out_dir` is given."""
+    cfg = config or BenchConfig()
+    if cfg.trials < 1 or cfg.max_tokens < 1:
+        raise DsparkFlowError("trials and max tokens must be at least 1")
+    if limit is not None and limit < 1:
+        raise DsparkFlowError("--limit must be at least 1")
+    if not recipes:
+        raise DsparkFlowError("name at least one recipe")
+    # Prompts first: a bad prompts file should fail before minutes of model loading.
+    if prompts and all(isinstance(p, BenchPrompt) for p in prompts):
+        items = list(prompts)  # type: ignore[arg-type]
+    else:
+        items = load_prompts(list(prompts), limit)  # type: ignore[arg-type]
+    items = select_categories(items, categories)
+
+    from dspark_flow.bench.plan import add_spec_baselines, plan_recipes
+    from dspark_flow.bench.report import collect_meta, load_avg
+    from dspark_flow.bench.runner import run_bench
+    from dspark_flow.bench.summary import summarize
+
+    groups = plan_recipes(recipes, overrides, mlx_lm=mlx_lm)
+    if mlx_lm:
+        for group in groups:
+            for mode in group.modes:
+                if mode.pipeline is not None:
+                    mode.pipeline.warm_up()  # loads draft models, which mlx-lm-spec shares
+            add_spec_baselines(group)
+    targets = [{"label": g.label, "weight_format": g.weight_format} for g in groups]
+    meta = collect_meta(targets, command)
+    results = run_bench(groups, items, cfg, progress)
+    data = {
+        "meta": meta,
+        "runs": results["runs"],
+        "summary": summarize(results["runs"]),
+        "mismatches": results["mismatches"],
+        "verify_cost": results["verify_cost"],
+    }
+    data["meta"]["config"] = {
+        "trials": cfg.trials,
+        "max_tokens": cfg.max_tokens,
+        "prompts": len(items),
+        "modes": [f"{m.name} ({g.label})" for g in groups for m in g.modes],
+    }
+    data["meta"]["load_avg_end"] = load_avg()
+    if out_dir is None:
+        return BenchOutcome(data)
+    return write_outputs(data, Path(out_dir), plots)

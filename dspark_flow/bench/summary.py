@@ -1,0 +1,95 @@
+"""Per (target, mode, category) statistics over trials and prompts, and speedups over baselines.
+
+Two speedup figures, because they answer different questions: the ratio of medians (typical
+speed against typical speed) and the median of per-prompt ratios (how a typical prompt fares,
+robust to a few long or fast prompts dominating the pooled medians).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+FIGURES = ("decode_tok_s", "e2e_tok_s", "ttft_s", "mean_accept_len", "num_tokens", "peak_memory_mb")
+SPEEDUP_FIGURES = {"decode": "decode_tok_s", "e2e": "e2e_tok_s"}
+ALL = "all"
+
+
+def spread(values: Iterable[float | None]) -> dict[str, float | None]:
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def _per_prompt(runs: list[dict[str, Any]], figure: str) -> dict[str, float]:
+    """Median over trials of `figure`, per prompt."""
+    by_prompt: dict[str, list[float]] = {}
+    for r in runs:
+        if r.get(figure) is not None:
+            by_prompt.setdefault(r["prompt_id"], []).append(float(r[figure]))
+    return {p: statistics.median(v) for p, v in by_prompt.items()}
+
+
+def speedup(
+    mode_runs: list[dict[str, Any]], base_runs: list[dict[str, Any]], figure: str
+) -> dict[str, float | None]:
+    mode_med = spread(r[figure] for r in mode_runs)["median"]
+    base_med = spread(r[figure] for r in base_runs)["median"]
+    ratio = mode_med / base_med if mode_med is not None and base_med else None
+    mine, theirs = _per_prompt(mode_runs, figure), _per_prompt(base_runs, figure)
+    ratios = [mine[p] / theirs[p] for p in mine if theirs.get(p)]
+    return {
+        "ratio_of_medians": ratio,
+        "median_of_ratios": statistics.median(ratios) if ratios else None,
+    }
+
+
+def _ordered(values: Iterable[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    for v in values:
+        seen.setdefault(v, None)
+    return list(seen)
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (target, mode, category), plus category "all" when there are several."""
+    rows: list[dict[str, Any]] = []
+    categories = _ordered(r["category"] for r in runs)
+    if len(categories) > 1:
+        categories.append(ALL)
+    for target in _ordered(r["target"] for r in runs):
+        t_runs = [r for r in runs if r["target"] == target]
+        modes = _ordered(r["mode"] for r in t_runs)
+        baselines = _ordered(r["mode"] for r in t_runs if r["baseline"])
+        for category in categories:
+            c_runs = [r for r in t_runs if category in (ALL, r["category"])]
+            by_mode = {m: [r for r in c_runs if r["mode"] == m] for m in modes}
+            for mode in modes:
+                mine = by_mode[mode]
+                if not mine:
+                    continue
+                row: dict[str, Any] = {
+                    "target": target,
+                    "mode": mode,
+                    "kind": mine[0]["kind"],
+                    "baseline": mine[0]["baseline"],
+                    "category": category,
+                    "n_runs": len(mine),
+                    "n_prompts": len({r["prompt_id"] for r in mine}),
+                }
+                for figure in FIGURES:
+                    row[figure] = spread(r[figure] for r in mine)
+                row["speedup"] = {
+                    base: {
+                        short: speedup(mine, by_mode[base], fig)
+                        for short, fig in SPEEDUP_FIGURES.items()
+                    }
+                    for base in baselines
+                    if base != mode and by_mode.get(base)
+                }
+                row["mismatches"] = sum(1 for r in mine if r.get("matches_greedy") is False)
+                row["checked"] = sum(1 for r in mine if r.get("matches_greedy") is not None)
+                rows.append(row)
+    return rows

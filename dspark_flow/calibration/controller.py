@@ -1,0 +1,343 @@
+"""Choosing k from measured curves and an acceptance estimate.
+
+With per-position acceptance p, a round that drafts k tokens commits on average
+E(p, k) = 1 + p + p^2 + ... + p^k tokens (the accepted prefix plus the target's own token) and
+costs verify(K = k + 1, depth) + drafter(k) seconds; plain decoding commits 1 token per
+verify(1, depth). The best k maximises E / cost; its ratio to plain decoding is the gain.
+(`auto` learns the first position's acceptance apart from the later ones': see
+`AcceptanceEstimator`.)
+
+`CurveCap` is the DraftCap both `calibrated` (fixed prior p) and `auto` (p learnt per round,
+speculation off when the gain drops below 1, periodic probes to come back) are built on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves
+from dspark_flow.log import get_logger
+from dspark_flow.strategy import BuildContext, DraftCap, StrategyConfig
+
+log = get_logger()
+
+# A larger k must beat the best smaller one by this fraction: measured curves carry ~1% noise,
+# and a shorter draft wastes less when the acceptance estimate is optimistic.
+TOLERANCE = 0.005
+FALLBACK_K = 4  # used only if choose() runs before warm_up() supplied curves
+DEPTH_STEP = 16  # context depths this close share a cached plan
+
+
+def expected_tokens(p: float, k: int, p_first: float | None = None) -> float:
+    """Tokens one round commits on average: 1 + p + p^2 + ... + p^k when each drafted position
+    is accepted with p; with `p_first`, the first position is accepted with p_first and each
+    later one (given the previous) with p: 1 + p_first * (1 + p + ... + p^(k-1))."""
+    if k <= 0:
+        return 1.0
+    first = p if p_first is None else p_first
+    rest = float(k) if p >= 1.0 else (1.0 - p**k) / (1.0 - p)
+    return 1.0 + first * rest
+
+
+@dataclass(frozen=True)
+class Plan:
+    k: int
+    tokens: float  # expected committed tokens per round
+    seconds: float  # expected round time
+    gain: float  # tokens/second relative to plain decoding at the same depth
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def plan_table(
+    curves: Curves, p: float, depth: float, max_k: int, p_first: float | None = None
+) -> list[Plan]:
+    """One Plan per k = 0..max_k (k = 0 is plain decoding)."""
+    plain = curves.verify_cost(1, depth)
+    out: list[Plan] = []
+    for k in range(0, max(0, max_k) + 1):
+        seconds = curves.verify_cost(k + 1, depth) + curves.drafter_cost(k)
+        tokens = expected_tokens(p, k, p_first)
+        gain = (tokens / seconds) * plain if seconds > 0 else float("inf")
+        out.append(Plan(k=k, tokens=tokens, seconds=seconds, gain=gain))
+    return out
+
+
+def best_plan(
+    curves: Curves, p: float, depth: float, max_k: int, p_first: float | None = None
+) -> Plan:
+    """The k >= 1 (when max_k >= 1) with the highest expected tokens per second."""
+    table = plan_table(curves, p, depth, max_k, p_first)
+    best = table[1] if len(table) > 1 else table[0]
+    for plan in table[2:]:
+        if plan.gain > best.gain * (1.0 + TOLERANCE):
+            best = plan
+    return best
+
+
+class _Rate:
+    """A success rate from exponentially decaying counts, started from `weight` pseudo-trials
+    at `prior` that decay like real evidence (so a drafter that never hits drives it to 0)."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.prior, self.decay = prior, decay
+        self.successes = prior * weight
+        self.failures = (1.0 - prior) * weight
+
+    @property
+    def value(self) -> float:
+        total = self.successes + self.failures
+        return self.successes / total if total > 0 else self.prior
+
+    def add(self, successes: float, failures: float) -> None:
+        self.successes = self.decay * self.successes + successes
+        self.failures = self.decay * self.failures + failures
+
+
+class AcceptanceEstimator:
+    """Acceptance of drafted positions, learnt from each round's (proposed, accepted).
+
+    Model: the first drafted position is accepted with p_first, each later one (given the one
+    before was) with p, and the round stops at the first rejection, so `accepted` is a
+    truncated geometric count. A round with accepted < proposed shows its accepted positions
+    as successes and one failure; a fully accepted round shows successes only (the run was cut
+    by the draft length, not by a rejection: counting it as a failure would bias p down). The
+    maximum-likelihood rate is successes / (successes + failures) for each of the two.
+
+    Two rates, not one, because drafters like lookup are all-or-nothing: a copy either matches
+    from its first token on or not at all, and a single p would average the two into a
+    mediocre value that overrates short drafts and underrates long ones. With a geometric
+    drafter the two agree. Counts decay by (1 - 1/window) per informative round, so old
+    evidence fades; they start as `prior_weight` pseudo-trials at the prior, which fade alike.
+    """
+
+    def __init__(self, prior: float = 0.6, prior_weight: float = 2.0, window: float = 16.0):
+        decay = 1.0 - 1.0 / max(window, 1.0)
+        self.first = _Rate(prior, prior_weight, decay)
+        self.next = _Rate(prior, prior_weight, decay)
+
+    @property
+    def p_first(self) -> float:
+        return self.first.value
+
+    @property
+    def p(self) -> float:
+        """Acceptance of a position after an accepted one."""
+        return self.next.value
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:  # nothing drafted: no evidence about acceptance
+            return
+        accepted = max(0, min(accepted, proposed))
+        self.first.add(1.0 if accepted else 0.0, 0.0 if accepted else 1.0)
+        if accepted and proposed > 1:  # positions 2..proposed were only reached if the first was
+            self.next.add(accepted - 1.0, 1.0 if accepted < proposed else 0.0)
+
+
+# -- the draft cap -----------------------------------------------------------------------------
+
+
+class CurveCapConfig(StrategyConfig):
+    acceptance: float = Field(0.6, gt=0, lt=1, description="prior per-position acceptance p")
+    max_k: int | None = Field(
+        None, ge=1, description="most tokens per round (default: the drafter's block, else 16)"
+    )
+    depths: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_DEPTHS),
+        min_length=1,
+        description="context depths at which the verify cost is measured",
+    )
+    repeats: int = Field(5, ge=1, description="timed repeats per point (the median is kept)")
+    warmup: int = Field(2, ge=0, description="untimed passes before measuring")
+    force: bool = Field(False, description="measure again even if cached curves exist")
+    cache_dir: str | None = Field(
+        None, description="where curves are cached (default $DSPARK_FLOW_CALIBRATION_DIR or cache)"
+    )
+
+
+class AdaptiveCapConfig(CurveCapConfig):
+    window: float = Field(16.0, ge=1, description="rounds of memory of the acceptance estimate")
+    prior_weight: float = Field(2.0, gt=0, description="pseudo-positions behind the prior p")
+    min_gain: float = Field(
+        1.0, gt=0, description="draft only when expected speed over plain decoding exceeds this"
+    )
+    probe_every: int = Field(
+        16, ge=1, description="while off, draft at most once every this many rounds"
+    )
+    probe_k: int = Field(2, ge=1, description="draft length of a probe round")
+    probe_cost: float = Field(
+        0.02,
+        gt=0,
+        description="while off, probes may slow decoding by at most this fraction (so probes "
+        "are rarer where a draft costs more to verify)",
+    )
+
+
+class CurveCap(DraftCap):
+    """Picks k from curves; `adaptive` subclasses learn p and may switch drafting off."""
+
+    adaptive: ClassVar[bool] = False
+    Config = CurveCapConfig
+    config: CurveCapConfig
+
+    def __init__(self, config: CurveCapConfig | None = None, curves: Curves | None = None):
+        super().__init__(config)
+        self.curves = curves
+        self.cache_path: Any = None
+        self.depth = 0  # tokens in the context (prompt + committed) of the current generation
+        self.chosen: Counter[int] = Counter()  # k per round, for reports
+        self._off_rounds = 0
+        self._plans: dict[tuple[float, float, int, int], Plan] = {}
+        cfg = self.config
+        self.estimator = AcceptanceEstimator(
+            prior=cfg.acceptance,
+            prior_weight=getattr(cfg, "prior_weight", 2.0),
+            window=getattr(cfg, "window", 16.0),
+        )
+
+    # -- warm-up -----------------------------------------------------------------------------
+
+    def warm_up(self, ctx: BuildContext) -> None:
+        drafter = ctx.drafter
+        if drafter is not None:
+            self._follow_generations(drafter)
+        if self.curves is not None or drafter is None or drafter.max_draft == 0:
+            return
+        from dspark_flow.calibration.obtain import drafter_block, obtain_curves
+        from dspark_flow.calibration.store import CurveStore
+
+        cfg = self.config
+        target = getattr(ctx.recipe, "target", None)
+        forward, verifier_kind = _recipe_verifier(ctx)
+        self.curves, self.cache_path, measured = obtain_curves(
+            ctx.model,
+            drafter,
+            sampler=ctx.sampler,
+            tokenizer=ctx.tokenizer,
+            target_ref=getattr(target, "model", None),
+            target_revision=getattr(target, "revision", None),
+            block=drafter_block(drafter, cfg.max_k),
+            depths=cfg.depths,
+            repeats=cfg.repeats,
+            warmup=cfg.warmup,
+            force=cfg.force,
+            store=CurveStore(cfg.cache_dir) if cfg.cache_dir else None,
+            forward=forward,
+            verifier_kind=verifier_kind,
+        )
+        self._plans.clear()
+        log.info("draft cost curves", path=str(self.cache_path), measured=measured)
+
+    def _follow_generations(self, drafter: Any) -> None:
+        """The DraftCap contract has no begin(); the context depth of a new generation is
+        learnt from the drafter's begin(), which the loop calls first thing."""
+        original = drafter.begin
+        if getattr(original, "_cap", None) is self:
+            return
+
+        def begin(prompt_ids: list[int], sampler: Any) -> None:
+            original(prompt_ids, sampler)
+            self.begin(prompt_ids)
+
+        begin._cap = self  # type: ignore[attr-defined]
+        drafter.begin = begin
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A generation starts after these prompt tokens. The acceptance estimate is kept: a
+        drafter's hit rate carries over between requests better than the prior does."""
+        self.depth = len(prompt_ids)
+
+    def limit(self, drafter_max: int | None) -> int:
+        bounds = [b for b in (drafter_max, self.config.max_k) if b is not None]
+        if self.curves is not None:
+            bounds.append(self.curves.block)
+        return max(0, min(bounds, default=FALLBACK_K))
+
+    def acceptance(self) -> tuple[float, float]:
+        """(p_first, p): learnt when adaptive, else the configured prior for both."""
+        if self.adaptive:
+            return self.estimator.p_first, self.estimator.p
+        return self.config.acceptance, self.config.acceptance
+
+    def plan(self, drafter_max: int | None = None) -> Plan | None:
+        if self.curves is None:
+            return None
+        p_first, p = self.acceptance()
+        limit = self.limit(drafter_max)
+        # Rounds repeat the same situation often; the table costs ~k interpolations.
+        key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit)
+        if (found := self._plans.get(key)) is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            found = self._plans[key] = best_plan(self.curves, p, self.depth, limit, p_first)
+        return found
+
+    def choose(self, drafter_max: int | None) -> int:
+        k = self._choose(drafter_max)
+        self.chosen[k] += 1
+        return k
+
+    def _choose(self, drafter_max: int | None) -> int:
+        limit = self.limit(drafter_max)
+        plan = self.plan(drafter_max)
+        if plan is None:
+            log.warning("draft cap used before warm_up(); drafting a fixed k", k=FALLBACK_K)
+            return min(FALLBACK_K, limit)
+        if not self.adaptive or limit == 0:
+            return plan.k
+        cfg = self.config
+        if plan.gain >= getattr(cfg, "min_gain", 1.0):
+            self._off_rounds = 0
+            return plan.k
+        # Plain decoding is expected to be faster; still draft a little now and then, since the
+        # estimate only moves on rounds that draft.
+        self._off_rounds += 1
+        every = self._probe_every(limit)
+        if every is not None and self._off_rounds >= every:
+            self._off_rounds = 0
+            return min(getattr(cfg, "probe_k", 2), limit)
+        return 0
+
+    def _probe_every(self, limit: int) -> int | None:
+        """Rounds between probes: at least `probe_every`, and rare enough that their extra
+        verify cost stays under `probe_cost`; None when no k could pay even if every draft were
+        accepted (then probing learns nothing useful)."""
+        assert self.curves is not None
+        cfg = self.config
+        perfect = best_plan(self.curves, 1.0, self.depth, limit)
+        if perfect.gain < getattr(cfg, "min_gain", 1.0):
+            return None
+        k = min(getattr(cfg, "probe_k", 2), limit)
+        plain = self.curves.verify_cost(1, self.depth)
+        probe = self.curves.verify_cost(k + 1, self.depth) + self.curves.drafter_cost(k)
+        extra = max(0.0, probe / plain - 1.0)
+        return max(
+            getattr(cfg, "probe_every", 16), math.ceil(extra / getattr(cfg, "probe_cost", 0.02))
+        )
+
+    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+        self.depth += accepted + 1
+        if self.adaptive:
+            self.estimator.update(proposed, accepted)
+
+
+def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
+    """The recipe's verifier forward (a kernel verifier costs what it costs), else the plain one."""
+    config = getattr(ctx.recipe, "verifier", None)
+    kind = getattr(config, "kind", "reference")
+    if config is None or kind == "reference":
+        return None, "reference"
+    from dspark_flow import registry
+
+    verifier = registry.load_kind("verifier", kind)(config)
+    verifier.warm_up(ctx)
+    return verifier.forward, kind  # type: ignore[attr-defined]

@@ -1,0 +1,277 @@
+"""Measure what one speculative round costs on this machine.
+
+Two curves decide the best draft length: the target's verify cost for K rows (K = k + 1: the
+last committed token plus k drafted ones) at a few context depths, and the drafter's cost to
+propose k tokens. Each point is the median of several timed repeats after warm-up runs, and the
+K values are visited in interleaved passes so a burst of machine noise hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+DEFAULT_DEPTHS: tuple[int, ...] = (64, 512, 2048)
+PREFILL_CHUNK = 512  # same bound on activation memory as the decode loop
+
+Forward = Callable[[Any, list[int], list[Any]], Any]
+
+
+@dataclass
+class Curves:
+    """Measured costs, in seconds.
+
+    `verify[i][K - 1]` is one verify round of K rows at context depth `depths[i]` (forward, the
+    argmax host sync, the cache trim); `drafter[k]` is one `propose(history, k)`, `drafter[0]` 0.
+    """
+
+    depths: list[int]
+    verify: list[list[float]]
+    drafter: list[float]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.depths or len(self.verify) != len(self.depths):
+            raise ValueError("one verify row per depth is needed")
+        if sorted(self.depths) != list(self.depths) or len(set(self.depths)) != len(self.depths):
+            raise ValueError("depths must be strictly ascending")
+        rows = {len(r) for r in self.verify}
+        if len(rows) != 1 or rows.pop() < 1 or not self.drafter:
+            raise ValueError("verify rows must share one length >= 1; drafter must be non-empty")
+        if any(t < 0 for r in self.verify for t in r) or any(t < 0 for t in self.drafter):
+            raise ValueError("costs must be non-negative")
+        # Decisions use a non-decreasing fit of each row: verifying more rows never costs less,
+        # so a dip is measurement noise, and chasing it would pick k by luck.
+        self._smooth = [monotone_fit(row) for row in self.verify]
+
+    @property
+    def block(self) -> int:
+        """The largest k both curves cover."""
+        return min(len(self.verify[0]) - 1, len(self.drafter) - 1)
+
+    def verify_cost(self, rows: int, depth: float) -> float:
+        """Cost of verifying `rows` rows at `depth`: linear between measured depths; beyond the
+        deepest, extrapolated along the last segment (attention grows linearly with depth), never
+        below the deepest measurement."""
+        col = min(max(rows, 1), len(self.verify[0])) - 1
+        ds, ys = self.depths, [r[col] for r in self._smooth]
+        if len(ds) == 1 or depth <= ds[0]:
+            return ys[0]
+        for i in range(1, len(ds)):
+            if depth <= ds[i]:
+                w = (depth - ds[i - 1]) / (ds[i] - ds[i - 1])
+                return ys[i - 1] + w * (ys[i] - ys[i - 1])
+        slope = (ys[-1] - ys[-2]) / (ds[-1] - ds[-2])
+        return max(ys[-1], ys[-1] + slope * (depth - ds[-1]))
+
+    def drafter_cost(self, k: int) -> float:
+        return 0.0 if k <= 0 else self.drafter[min(k, len(self.drafter) - 1)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "depths": self.depths,
+            "verify": self.verify,
+            "drafter": self.drafter,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Curves:
+        """Raises ValueError/TypeError/KeyError on anything malformed (the store then re-measures)."""
+        return cls(
+            depths=[int(d) for d in data["depths"]],
+            verify=[[float(t) for t in row] for row in data["verify"]],
+            drafter=[float(t) for t in data["drafter"]],
+            meta=dict(data.get("meta") or {}),
+        )
+
+
+def monotone_fit(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+def context_limit(model: Any) -> int | None:
+    """The model's trained context length, when its config says."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "max_seq_len", "n_ctx", "context_length"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def usable_depths(depths: Sequence[int], rows: int, limit: int | None) -> list[int]:
+    """The requested depths that fit the context with `rows` more tokens (at least one depth)."""
+    wanted = sorted({max(1, int(d)) for d in depths}) or [64]
+    if limit is None:
+        return wanted
+    fit = [d for d in wanted if d + rows <= limit]
+    return fit or [max(1, min(wanted[0], limit - rows))]
+
+
+def filler_tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """Deterministic pseudo-random ids away from the special tokens at the start of a vocabulary."""
+    lo = min(100, vocab // 2)
+    state = seed * 2654435761 + 1
+    out: list[int] = []
+    for _ in range(n):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(lo + (state >> 33) % (vocab - lo))
+    return out
+
+
+def sample_history(tokenizer: Any, n: int = 256) -> list[int]:
+    """A real token history for timing drafters: the bundled prompts, with a repeated span so a
+    lookup drafter finds a match (its cost is highest when it has something to copy)."""
+    lines = resources.files("dspark_flow").joinpath("data/prompts.jsonl").read_text("utf-8")
+    text = "\n".join(" ".join(json.loads(ln)["turns"]) for ln in lines.splitlines() if ln.strip())
+    ids = list(tokenizer.encode(text))[:n] if tokenizer is not None else []
+    if len(ids) < 16:
+        ids = filler_tokens(n, 32000, seed=1)
+    return ids + ids[: min(32, len(ids) // 4)]
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _default_forward(model: Any, tokens: list[int], cache: list[Any]) -> Any:
+    import mlx.core as mx
+
+    return model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
+
+
+def measure_verify(
+    model: Any,
+    depths: Sequence[int],
+    max_rows: int,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    forward: Forward | None = None,
+    vocab: int | None = None,
+) -> list[list[float]]:
+    """Median seconds of one verify round for K = 1..max_rows rows at each depth."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    forward = forward or _default_forward
+    vocab = vocab or int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32000)
+    out: list[list[float]] = []
+    for i, depth in enumerate(depths):
+        cache = make_prompt_cache(model)
+        context = filler_tokens(depth, vocab, seed=i)
+        for start in range(0, depth, PREFILL_CHUNK):
+            forward(model, context[start : start + PREFILL_CHUNK], cache)
+            mx.eval([entry.state for entry in cache])
+        probe = filler_tokens(max_rows, vocab, seed=100 + i)
+        times: list[list[float]] = [[] for _ in range(max_rows)]
+        for r in range(warmup + repeats):
+            for rows in range(1, max_rows + 1):
+                t0 = time.perf_counter()
+                logits = forward(model, probe[:rows], cache)
+                mx.argmax(logits, axis=-1).tolist()  # the round's one host sync
+                trim_prompt_cache(cache, rows)
+                if r >= warmup:
+                    times[rows - 1].append(time.perf_counter() - t0)
+        out.append([statistics.median(t) for t in times])
+        del cache
+    return out
+
+
+def measure_drafter(
+    drafter: Any,
+    history: list[int],
+    block: int,
+    sampler: Any,
+    *,
+    model: Any = None,
+    forward: Forward | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> list[float]:
+    """Median seconds of `drafter.propose(history, k)` for k = 0..block (index k).
+
+    With `model`, the history before the last token is first prefilled through the target and
+    handed to `drafter.after_forward`, as the decode loop does: drafters that read the target's
+    features (dspark, dflash) need it. Repeated proposals on one history leave them in step.
+    """
+    import mlx.core as mx
+
+    prompt = list(history[:-1])
+    drafter.begin(prompt, sampler)
+    if model is not None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        forward = forward or _default_forward
+        cache = make_prompt_cache(model)
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            chunk = prompt[start : start + PREFILL_CHUNK]
+            forward(model, chunk, cache)
+            if hasattr(drafter, "after_forward"):
+                drafter.after_forward(len(chunk))
+            mx.eval([entry.state for entry in cache])
+        del cache
+    times: list[list[float]] = [[] for _ in range(block + 1)]
+    for r in range(warmup + repeats):
+        for k in range(1, block + 1):
+            t0 = time.perf_counter()
+            draft = drafter.propose(list(history), k)
+            if getattr(draft, "probs", None) is not None:
+                mx.eval(draft.probs)
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return [0.0] + [statistics.median(t) for t in times[1:]]
+
+
+def measure(
+    model: Any,
+    drafter: Any,
+    sampler: Any,
+    *,
+    block: int,
+    depths: Sequence[int] = DEFAULT_DEPTHS,
+    repeats: int = 5,
+    warmup: int = 2,
+    history: list[int] | None = None,
+    forward: Forward | None = None,
+) -> Curves:
+    """Both curves for k = 1..block."""
+    rows = block + 1
+    ds = usable_depths(depths, rows, context_limit(model))
+    t0 = time.perf_counter()
+    verify = measure_verify(model, ds, rows, repeats=repeats, warmup=warmup, forward=forward)
+    history = history or filler_tokens(256, 32000, seed=1)
+    draft = measure_drafter(
+        drafter,
+        history,
+        block,
+        sampler,
+        model=model,
+        forward=forward,
+        repeats=repeats,
+        warmup=warmup,
+    )
+    meta = {
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "repeats": repeats,
+        "warmup": warmup,
+        "history_tokens": len(history),
+    }
+    return Curves(depths=ds, verify=verify, drafter=draft, meta=meta)

@@ -1,0 +1,75 @@
+"""Cached curves for a (target, drafter) pair on this machine, measuring them when needed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark_flow.calibration import curves as curves_mod
+from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves, Forward
+from dspark_flow.calibration.store import CurveStore, make_key
+from dspark_flow.log import get_logger
+
+log = get_logger()
+UNBOUNDED_BLOCK = 16  # k range measured for drafters without a block size (a draft model)
+
+
+def drafter_block(drafter: Any, max_k: int | None = None) -> int:
+    """How many k values to measure: the drafter's block, capped by `max_k`."""
+    block = getattr(drafter, "max_draft", None)
+    block = UNBOUNDED_BLOCK if block is None else int(block)
+    return max(1, min(block, max_k) if max_k else block)
+
+
+def obtain_curves(
+    model: Any,
+    drafter: Any,
+    *,
+    sampler: Any = None,
+    tokenizer: Any = None,
+    target_ref: str | None = None,
+    target_revision: str | None = None,
+    block: int | None = None,
+    depths: Sequence[int] = DEFAULT_DEPTHS,
+    repeats: int = 5,
+    warmup: int = 2,
+    force: bool = False,
+    store: CurveStore | None = None,
+    forward: Forward | None = None,
+    verifier_kind: str = "reference",
+) -> tuple[Curves, Path, bool]:
+    """(curves, cache file, whether they were measured now)."""
+    store = store or CurveStore()
+    block = block or drafter_block(drafter)
+    settings = {
+        "block": block,
+        "depths": sorted({int(d) for d in depths}),
+        "repeats": repeats,
+        "warmup": warmup,
+        "verifier": verifier_kind,
+    }
+    key = make_key(
+        model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings
+    )
+    if sampler is None:  # only a draft model looks at it; greedy is the cheapest honest choice
+        from dspark_flow.strategies.samplers.greedy import GreedySampler
+
+        sampler = GreedySampler()
+
+    def run() -> Curves:
+        log.info("calibrating draft costs", block=block, depths=settings["depths"])
+        return curves_mod.measure(
+            model,
+            drafter,
+            sampler,
+            block=block,
+            depths=depths,
+            repeats=repeats,
+            warmup=warmup,
+            history=curves_mod.sample_history(tokenizer),
+            forward=forward,
+        )
+
+    found, measured = store.get(key, run, force=force)
+    return found, store.path_for(key), measured

@@ -1,0 +1,252 @@
+"""The on-disk cache of measured curves: one JSON file per key, written atomically.
+
+A key holds everything that changes the curves: the target (reference, revision, a hash of its
+config.json and weight file sizes, plus a fingerprint of the loaded architecture), the weight
+format, the drafter (kind, config, checkpoint), the MLX version, backend, device and BLAS, and
+the calibration settings. A missing, corrupt, wrong-version or mismatched file means "measure
+again and replace it"; nothing in the cache can make a run fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dspark_flow.calibration.curves import Curves
+from dspark_flow.log import get_logger
+
+log = get_logger()
+
+VERSION = 1  # bump when the file layout or the meaning of a curve changes
+ENV_DIR = "DSPARK_FLOW_CALIBRATION_DIR"  # separate from DSPARK_FLOW_HOME (which moves models too)
+
+
+def calibration_dir() -> Path:
+    """$DSPARK_FLOW_CALIBRATION_DIR, else <cache_root()>/calibration."""
+    if given := os.environ.get(ENV_DIR):
+        return Path(given).expanduser()
+    from dspark_flow.models.embedded import cache_root
+
+    return cache_root() / "calibration"
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+# -- identities --------------------------------------------------------------------------------
+
+
+def architecture_fingerprint(model: Any) -> str:
+    """Hash of the model's args and every parameter's path, shape and dtype (not values: the
+    curves depend on what is computed, not on the numbers)."""
+    from mlx.utils import tree_flatten
+
+    args = getattr(model, "args", None)
+    args_data = vars(args) if args is not None and hasattr(args, "__dict__") else repr(args)
+    params = [(p, list(v.shape), str(v.dtype)) for p, v in tree_flatten(model.parameters())]
+    return _sha256_text(json.dumps([_jsonable(args_data), sorted(params)], default=str))[:16]
+
+
+def weight_format(model: Any) -> str:
+    """What the loaded weights are, e.g. 'float32' or 'q4:64+float32' (bits:group + float dtype)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    quant = sorted(
+        {
+            f"q{m.bits}:{m.group_size}"
+            for _, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        }
+    )
+    floats = Counter(
+        str(v.dtype).removeprefix("mlx.core.")
+        for _, v in tree_flatten(model.parameters())
+        if "float" in str(v.dtype)
+    )
+    main = floats.most_common(1)[0][0] if floats else "none"
+    return "+".join([*quant, main])
+
+
+def _model_dir(ref: str, revision: str | None) -> Path | None:
+    """The local directory of an already fetched model, without fetching anything."""
+    try:
+        if ref.startswith("builtin:"):  # only if already built: never download for a key
+            from dspark_flow.models.embedded import cache_root
+
+            built = cache_root() / "models" / ref.removeprefix("builtin:")
+            return built if (built / "config.json").is_file() else None
+        local = Path(ref).expanduser()
+        if local.is_dir():
+            return local
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                ref, revision=revision, allow_patterns=["*.json"], local_files_only=True
+            )
+        )
+    except Exception:  # unknown/offline: the in-memory fingerprint still identifies the model
+        return None
+
+
+def checkpoint_identity(ref: str, revision: str | None = None) -> dict[str, Any]:
+    """Reference, revision, and (when its files are at hand) config hash and weight file sizes."""
+    ident: dict[str, Any] = {"ref": ref, "revision": revision}
+    path = _model_dir(ref, revision)
+    if path is not None and (path / "config.json").is_file():
+        ident["config_sha256"] = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+        ident["weight_sizes"] = {
+            f.name: f.stat().st_size
+            for f in sorted(path.iterdir())
+            if f.suffix in (".safetensors", ".gguf", ".npz", ".bin")
+        }
+    return ident
+
+
+def model_identity(
+    model: Any, ref: str | None = None, revision: str | None = None
+) -> dict[str, Any]:
+    ident: dict[str, Any] = {"architecture": architecture_fingerprint(model)}
+    if ref:
+        ident.update(checkpoint_identity(ref, revision))
+    return ident
+
+
+def drafter_identity(drafter: Any) -> dict[str, Any]:
+    config = getattr(drafter, "config", None)
+    ident: dict[str, Any] = {
+        "kind": getattr(config, "kind", type(drafter).__name__),
+        "class": f"{type(drafter).__module__}.{type(drafter).__qualname__}",
+    }
+    if config is not None and hasattr(config, "model_dump"):
+        ident["config"] = _jsonable(config.model_dump(mode="json"))
+        ref = getattr(config, "model", None) or getattr(config, "checkpoint", None)
+        if isinstance(ref, str) and not ref.startswith("<") and ref != "auto":  # no files
+            ident["checkpoint"] = checkpoint_identity(ref, getattr(config, "revision", None))
+    inner = getattr(drafter, "model", None)
+    if inner is not None and hasattr(inner, "parameters"):
+        ident["architecture"] = architecture_fingerprint(inner)
+    return ident
+
+
+def machine_identity() -> dict[str, Any]:
+    import mlx.core as mx
+
+    from dspark_flow.models.backend import backend_name, blas_status
+
+    try:
+        device = dict(mx.device_info())
+    except Exception:
+        device = {}
+    blas = blas_status()
+    return {
+        "mlx": mx.__version__,
+        "backend": backend_name(),
+        "device": _jsonable(device),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "blas": blas.get("openblas") if blas.get("active") else None,
+    }
+
+
+def make_key(
+    model: Any,
+    drafter: Any,
+    *,
+    target_ref: str | None = None,
+    target_revision: str | None = None,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The full key for these curves (JSON-able; compared whole on load)."""
+    return _jsonable(
+        {
+            "target": model_identity(model, target_ref, target_revision),
+            "weights": weight_format(model),
+            "drafter": drafter_identity(drafter),
+            "machine": machine_identity(),
+            "settings": settings or {},
+        }
+    )
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    return _sha256_text(json.dumps(key, sort_keys=True))[:24]
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+class CurveStore:
+    """JSON files `<dir>/<digest>.json` holding {"version", "key", "curves"}."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None):
+        self.root = Path(root).expanduser() if root is not None else calibration_dir()
+
+    def path_for(self, key: dict[str, Any]) -> Path:
+        return self.root / f"{key_digest(key)}.json"
+
+    def load(self, key: dict[str, Any]) -> Curves | None:
+        """The cached curves for `key`, or None when absent or unusable (never raises)."""
+        path = self.path_for(key)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("calibration cache unreadable, re-measuring", path=str(path), error=str(e))
+            return None
+        try:
+            if data.get("version") != VERSION:
+                log.info("calibration cache of another version, re-measuring", path=str(path))
+                return None
+            if data.get("key") != key:  # a digest collision or a hand-edited file
+                return None
+            return Curves.from_dict(data["curves"])
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            log.warning("calibration cache malformed, re-measuring", path=str(path), error=str(e))
+            return None
+
+    def save(self, key: dict[str, Any], curves: Curves) -> Path | None:
+        """Write atomically (temp file + os.replace); a failure is logged, not raised."""
+        path = self.path_for(key)
+        payload = {"version": VERSION, "key": key, "curves": curves.to_dict()}
+        tmp: str | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{path.stem}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(payload, f, indent=1, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return path
+        except OSError as e:
+            log.warning("could not write calibration cache", path=str(path), error=str(e))
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return None
+
+    def get(
+        self, key: dict[str, Any], measure: Callable[[], Curves], force: bool = False
+    ) -> tuple[Curves, bool]:
+        """Cached curves for `key`, else `measure()` them and cache them; returns (curves,
+        measured)."""
+        if not force and (cached := self.load(key)) is not None:
+            return cached, False
+        curves = measure()
+        self.save(key, curves)
+        return curves, True

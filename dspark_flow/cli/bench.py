@@ -1,0 +1,150 @@
+"""`dspark-flow bench`: recipes against greedy and mlx-lm baselines on the same prompts.
+
+Exit codes: 0 fine, 2 a user error (bad recipe or prompts file, one line on stderr), 3 some
+mode's output differed from greedy decoding at T=0 (a losslessness failure, reported loudly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipes", nargs="*", metavar="RECIPE", help="recipe YAML files to compare")
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="JSONL ({'turns': [...], 'category': ...}) or text, one prompt a line "
+        "(repeatable; default: the 24 shipped prompts)",
+    )
+    p.add_argument("--trials", type=int, default=3, help="runs per prompt and mode (default 3)")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens per generation (default 128)"
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="at most N prompts per category"
+    )
+    p.add_argument(
+        "--category",
+        dest="categories",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only prompts of this category (repeatable)",
+    )
+    p.add_argument(
+        "--out", default="out/bench", metavar="DIR", help="output folder (default out/bench)"
+    )
+    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baselines")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--no-verify-cost", action="store_true", help="skip the verify cost curve")
+    p.add_argument(
+        "--verify-repeats",
+        type=int,
+        default=5,
+        metavar="N",
+        help="timed forwards per K (default 5)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a field in every recipe, e.g. --set target.weights=native (repeatable)",
+    )
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: re-render bench.md and the figures from a bench.json",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line, rebuilt from the parsed arguments (sys.argv is pytest's under tests)."""
+    parts = ["dspark-flow", "bench", *args.recipes]
+    for f in args.prompts:
+        parts += ["--prompts", f]
+    for c in args.categories:
+        parts += ["--category", c]
+    for o in args.overrides:
+        parts += ["--set", o]
+    parts += ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens)]
+    if args.limit is not None:
+        parts += ["--limit", str(args.limit)]
+    if args.verify_repeats != 5:
+        parts += ["--verify-repeats", str(args.verify_repeats)]
+    flags = ("no_mlx_lm", "no_plots", "no_verify_cost")
+    parts += [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f)]
+    return shlex.join([*parts, "--out", args.out])
+
+
+def _warn_mismatches(mismatches: list[dict]) -> None:
+    for m in mismatches:
+        print(
+            f"warning: OUTPUT MISMATCH: {m['mode']} on {m['prompt_id']} (trial {m['trial'] + 1}) "
+            f"differs from greedy at token {m['first_difference']}",
+            file=sys.stderr,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dspark_flow.bench.api import MISMATCH_EXIT, bench, write_outputs
+    from dspark_flow.bench.runner import BenchConfig
+    from dspark_flow.errors import DsparkFlowError
+
+    out = Path(args.out)
+    if args.from_json:
+        from dspark_flow.bench.report import load_json
+
+        outcome = write_outputs(load_json(args.from_json), out, plots=not args.no_plots)
+    else:
+        if not args.recipes:
+            raise DsparkFlowError("name at least one recipe (or --from-json FILE)")
+        cfg = BenchConfig(
+            trials=args.trials,
+            max_tokens=args.max_tokens,
+            verify_cost=not args.no_verify_cost,
+            verify_repeats=max(1, args.verify_repeats),
+        )
+
+        def progress(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+        outcome = bench(
+            args.recipes,
+            args.prompts,
+            config=cfg,
+            limit=args.limit,
+            categories=args.categories,
+            overrides=args.overrides,
+            mlx_lm=not args.no_mlx_lm,
+            out_dir=out,
+            plots=not args.no_plots,
+            command=_command(args),
+            progress=None if args.quiet else progress,
+        )
+    from dspark_flow.bench.report import summary_table
+
+    print("\n".join(summary_table(outcome.data["summary"])))
+    for note in outcome.notes:
+        print(f"note: {note}", file=sys.stderr)
+    for path in outcome.files:
+        print(f"wrote {path}", file=sys.stderr)
+    if outcome.mismatches:
+        _warn_mismatches(outcome.mismatches)
+        print(
+            f"warning: {len(outcome.mismatches)} run(s) did not reproduce greedy output at T=0 "
+            "(see the mismatches in bench.json / bench.md)",
+            file=sys.stderr,
+        )
+        return MISMATCH_EXIT
+    return 0

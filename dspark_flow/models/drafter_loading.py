@@ -1,0 +1,332 @@
+"""Trained-drafter checkpoints: read the two published layouts, load weights strictly, check the
+target/drafter pair, and look up a target's drafter in `data/drafters.json`.
+
+Layouts (as the upstream code writes them):
+- DeepSpec (`deepseek-ai/dspark_*`, and DeepSpec's own `dflash_*_block7`): HF `save_pretrained`
+  of `Qwen3DSparkModel`; the config is a copy of the target's with the drafter fields at the top
+  level (block_size, target_layer_ids, mask_token_id, markov_rank, ...); the weights include
+  `embed_tokens` and `lm_head`.
+- z-lab DFlash (`z-lab/*-DFlash*`): drafter fields nested under `dflash_config` (falling back to
+  the top level, as z-lab's `_draft_value` does); no embedding or LM head (the target's are
+  reused). DFlash 2 (`architectures: ["DFlash2DraftModel"]`) adds the conv and selector tensors;
+  its two codebooks are stored as bare tensors, not `.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dspark_flow.errors import ConfigError, ModelError
+from dspark_flow.models.drafter_backbone import BackboneConfig
+
+DEEPSPEC, DFLASH, DFLASH2 = "deepspec", "dflash", "dflash2"
+QUANT_GROUP = 64
+_IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_DATA = Path(__file__).resolve().parent.parent / "data" / "drafters.json"
+# Name suffixes that only say how a target was quantized or converted.
+_QUANT_SUFFIX = re.compile(
+    r"(-(\d+bit|bf16|fp16|f16|f32|fp8|mxfp4|nvfp4|dwq|mlx|awq|gptq|int4|int8|q\d(_k)?(_[sml])?))+$"
+)
+
+
+@dataclass
+class DrafterSpec:
+    """What a checkpoint's config.json says, in one shape for both layouts."""
+
+    layout: str
+    path: Path
+    config: dict[str, Any]
+    backbone: BackboneConfig
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    vocab_size: int
+    num_target_layers: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+
+def _require(cfg: dict[str, Any], key: str, where: Path) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ModelError(f"drafter config {where / 'config.json'} has no {key!r}")
+    return cfg[key]
+
+
+def detect_layout(cfg: dict[str, Any], where: Path) -> str:
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch == "Qwen3DSparkModel":
+        return DEEPSPEC
+    if arch == "DFlash2DraftModel":
+        return DFLASH2
+    if arch == "DFlashDraftModel" or "dflash_config" in cfg:
+        return DFLASH
+    if arch == "Gemma4DSparkModel":
+        raise ModelError(
+            f"{where}: Gemma4DSparkModel drafters (v-norm, four-norm layers) are not supported yet; "
+            "the Qwen3-style DeepSpec drafters are"
+        )
+    raise ModelError(
+        f"{where} is not a DSpark/DFlash drafter checkpoint (architectures={arch or 'none'}; "
+        "expected Qwen3DSparkModel, DFlashDraftModel or DFlash2DraftModel)"
+    )
+
+
+def read_spec(path: Path) -> DrafterSpec:
+    """Parse `path/config.json` (either layout) into a DrafterSpec."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read drafter config {path / 'config.json'}: {e}") from e
+    layout = detect_layout(cfg, path)
+    nested = cfg.get("dflash_config") or {}
+
+    def value(key: str, default: Any = None) -> Any:
+        # z-lab reads dflash_config first, then the top level; DeepSpec only the top level.
+        if layout != DEEPSPEC and key in nested:
+            return nested[key]
+        return cfg.get(key, default)
+
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    hidden = int(_require(cfg, "hidden_size", path))
+    heads = int(_require(cfg, "num_attention_heads", path))
+    layers = int(_require(cfg, "num_hidden_layers", path))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    num_target_layers = cfg.get("num_target_layers")
+    layer_ids = value("target_layer_ids")
+    if layer_ids is None:
+        if layout == DEEPSPEC or num_target_layers is None:
+            raise ModelError(f"drafter config {path / 'config.json'} has no 'target_layer_ids'")
+        layer_ids = default_target_layer_ids(int(num_target_layers), layers)
+    layer_ids = [int(i) for i in layer_ids]
+    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:], strict=False)):
+        raise ModelError(f"{path}: target_layer_ids {layer_ids} must be strictly increasing")
+    mask_id = value("mask_token_id")
+    if mask_id is None:
+        raise ModelError(f"drafter config {path / 'config.json'} has no 'mask_token_id'")
+    backbone = BackboneConfig(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        num_taps=len(layer_ids),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope if rope_type != "default" else None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        layer_types=tuple(cfg.get("layer_types") or ()),
+        sliding_window=cfg.get("sliding_window"),
+        # DeepSpec drafts with is_causal=False; z-lab: config, else causal iff sliding.
+        is_causal=False if layout == DEEPSPEC else cfg.get("is_causal"),
+    )
+    if layout == DEEPSPEC:
+        # DeepSpec builds layer_types as all full attention; never window its drafters.
+        backbone.layer_types, backbone.sliding_window = (), None
+    if any(t == "sliding_attention" for t in backbone.layer_types) and not backbone.sliding_window:
+        raise ModelError(f"{path}: sliding_attention layers need 'sliding_window' in the config")
+    extra: dict[str, Any] = {}
+    if layout == DEEPSPEC:
+        extra["markov_rank"] = int(cfg.get("markov_rank", 0))
+        extra["markov_head_type"] = str(cfg.get("markov_head_type", "vanilla")).lower()
+        extra["enable_confidence_head"] = bool(cfg.get("enable_confidence_head", False))
+        extra["confidence_head_with_markov"] = bool(cfg.get("confidence_head_with_markov", False))
+    else:
+        extra["output_multiplier"] = float(value("output_multiplier", 1.0))
+        extra["final_logit_softcapping"] = value("final_logit_softcapping")
+        extra["input_embedding_scale"] = float(value("input_embedding_scale", 1.0))
+    if layout == DFLASH2:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if value(key) is None:
+                raise ModelError(f"DFlash 2 drafter config {path / 'config.json'} has no {key!r}")
+            extra[key] = int(value(key))
+        if hidden % extra["conv_group_size"]:
+            raise ModelError(f"{path}: conv_group_size must divide hidden_size {hidden}")
+        backbone.conv_kernel_size = extra["conv_kernel_size"]
+        backbone.conv_group_size = extra["conv_group_size"]
+    return DrafterSpec(
+        layout=layout,
+        path=path,
+        config=cfg,
+        backbone=backbone,
+        target_layer_ids=layer_ids,
+        block_size=int(value("block_size", 16)),
+        mask_token_id=int(mask_id),
+        vocab_size=int(_require(cfg, "vocab_size", path)),
+        num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
+        extra=extra,
+    )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default when a config names no layers: spread over [1, n - 3]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def read_tensors(path: Path) -> dict[str, mx.array]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"drafter checkpoint {path} has no *.safetensors files")
+    tensors: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            tensors.update(mx.load(str(f)))
+        except Exception as e:  # a corrupt header or truncated file
+            raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from e
+    return tensors
+
+
+def load_checked(model: nn.Module, tensors: dict[str, mx.array], where: Path) -> None:
+    """Load `tensors` into `model`; every expected tensor must be there with its shape."""
+    expected = dict(tree_flatten(model.parameters()))
+    for name, param in expected.items():
+        if name not in tensors:
+            raise ModelError(
+                f"drafter checkpoint {where} is missing tensor {name!r} (expected shape "
+                f"{tuple(param.shape)})"
+            )
+        got = tuple(tensors[name].shape)
+        if got != tuple(param.shape):
+            raise ModelError(
+                f"drafter checkpoint {where}: tensor {name!r} has shape {got}, "
+                f"expected {tuple(param.shape)} from its config"
+            )
+    unknown = [n for n in tensors if n not in expected and not _IGNORED_TENSORS.search(n)]
+    if unknown:
+        raise ModelError(
+            f"drafter checkpoint {where} has tensors this drafter does not use: "
+            f"{', '.join(sorted(unknown)[:5])}{' ...' if len(unknown) > 5 else ''} "
+            "(a variant of the architecture that is not supported?)"
+        )
+    model.update(tree_unflatten([(n, tensors[n]) for n in expected]))
+
+
+def compute_dtype(requested: str) -> mx.Dtype | None:
+    """float32 on the CPU backend under 'auto' (as the target), else as stored (None)."""
+    if requested == "auto":
+        from dspark_flow.models.backend import backend_name
+
+        return mx.float32 if backend_name() == "cpu" else None
+    return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[requested]
+
+
+def _quantizable(_path: str, module: nn.Module) -> bool:
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    out_dim, in_dim = module.weight.shape
+    return in_dim % QUANT_GROUP == 0 and out_dim >= QUANT_GROUP
+
+
+def load_drafter_weights(
+    model: nn.Module, spec: DrafterSpec, quantize: int | None, dtype: str
+) -> nn.Module:
+    """Fill `model` from the checkpoint, cast float params, quantize if asked; returns it."""
+    tensors = read_tensors(spec.path)
+    if spec.layout == DFLASH2:
+        for name in ("predecessor_codebook", "successor_codebook"):
+            key = f"candidate_selector.{name}"
+            if key in tensors:
+                tensors[f"{key}.weight"] = tensors.pop(key)
+    stored_q = spec.config.get("quantization")
+    if isinstance(stored_q, dict):  # an mlx-converted drafter: quantize the skeleton to match
+        nn.quantize(
+            model,
+            group_size=int(stored_q.get("group_size", QUANT_GROUP)),
+            bits=int(stored_q.get("bits", 4)),
+            class_predicate=lambda p, m: f"{p}.scales" in tensors,
+        )
+    load_checked(model, tensors, spec.path)
+    target_dtype = compute_dtype(dtype)
+    if target_dtype is not None:
+        model.set_dtype(target_dtype)
+    if quantize and not isinstance(stored_q, dict):
+        nn.quantize(model, group_size=QUANT_GROUP, bits=quantize, class_predicate=_quantizable)
+    mx.eval(model.parameters())
+    return model
+
+
+def check_pair(spec: DrafterSpec, target: nn.Module, target_name: str = "the target") -> None:
+    """Refuse a drafter trained for another target (hidden size, vocabulary, depth)."""
+    from dspark_flow.models.taps import find_layers, target_hidden_size, target_vocab_size
+
+    hidden = target_hidden_size(target)
+    if hidden != spec.backbone.hidden_size:
+        raise ConfigError(
+            f"drafter {spec.name} does not fit {target_name}: it reads target hidden states of "
+            f"size {spec.backbone.hidden_size} (fc input {spec.backbone.num_taps} x "
+            f"{spec.backbone.hidden_size}), the target's hidden size is {hidden}"
+        )
+    vocab = target_vocab_size(target)
+    if vocab != spec.vocab_size:
+        raise ConfigError(
+            f"drafter {spec.name} does not fit {target_name}: drafter vocabulary {spec.vocab_size}, "
+            f"target vocabulary {vocab}"
+        )
+    depth = len(find_layers(target))
+    if spec.num_target_layers is not None and spec.num_target_layers != depth:
+        raise ConfigError(
+            f"drafter {spec.name} was trained on a target with {spec.num_target_layers} layers; "
+            f"{target_name} has {depth}"
+        )
+
+
+# -- the target -> drafter table ---------------------------------------------------------------
+
+
+def target_key(ref: str) -> str:
+    """'mlx-community/Qwen3-8B-8bit' -> 'qwen3-8b' (owner and quantization suffix dropped)."""
+    if ref.startswith("builtin:"):
+        return ref.lower()
+    name = ref.rstrip("/").rsplit("/", 1)[-1].lower()
+    return _QUANT_SUFFIX.sub("", name)
+
+
+def drafter_table() -> list[dict[str, Any]]:
+    return list(json.loads(_DATA.read_text())["pairs"])
+
+
+def resolve_drafter(target: str, kind: str | None = None) -> dict[str, Any]:
+    """The table entry for `target` (first available one, of `kind` when given)."""
+    key = target_key(target)
+    known = [e for e in drafter_table() if key in e["targets"] and kind in (None, e["kind"])]
+    for entry in known:
+        if entry.get("available", True):
+            return entry
+    desc = f"{kind} drafter" if kind else "trained drafter"
+    if known:
+        note = f" ({known[0]['note']})" if known[0].get("note") else ""
+        raise ConfigError(
+            f"the {desc} for {target}, {known[0]['drafter']}, is not published yet{note}; "
+            "pass a checkpoint (local dir or hub id)"
+        )
+    raise ConfigError(
+        f"no {desc} is known for {target} (looked up as {key!r} in {_DATA.name}); "
+        "pass a checkpoint (local dir or hub id)"
+    )
+
+
+def resolve_target(drafter: str) -> dict[str, Any] | None:
+    """The table entry whose drafter is `drafter` (for loading a pair from its drafter)."""
+    for entry in drafter_table():
+        if entry["drafter"].lower() == drafter.lower():
+            return entry
+    return None

@@ -1,0 +1,171 @@
+"""Anthropic Messages-compatible request model and response/SSE builders.
+
+Only text content is served. A final assistant message is a prefill: the answer continues it.
+Usage follows Anthropic's convention: `input_tokens` counts the prompt tokens that were run,
+`cache_read_input_tokens` those taken from the prefix cache (their sum is the prompt length).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dspark_flow.server.common import ApiError, Finished, sse
+from dspark_flow.server.engine import Job
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class Block(_Strict):
+    type: str
+    text: str | None = None
+
+
+def _blocks_text(content: str | list[Block]) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if block.type != "text" or block.text is None:
+            raise ValueError(f"content blocks of type {block.type!r} are not supported")
+        parts.append(block.text)
+    return "".join(parts)
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class MessagesRequest(_Strict):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    tools: list[Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(s == "" for s in value):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> MessagesRequest:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.system is not None:
+            _blocks_text(self.system)
+        for message in self.messages:
+            _blocks_text(message.content)
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        out = []
+        if self.system:
+            out.append({"role": "system", "content": _blocks_text(self.system)})
+        out += [{"role": m.role, "content": _blocks_text(m.content)} for m in self.messages]
+        return out
+
+
+class CountTokensRequest(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        request = MessagesRequest.model_construct(
+            model=self.model, max_tokens=1, messages=self.messages, system=self.system
+        )
+        return MessagesRequest.chat_messages(request)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def stop_reason(done: Finished) -> str:
+    if done.result.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if done.stop_sequence is not None else "end_turn"
+
+
+def usage(done: Finished) -> dict[str, Any]:
+    return {
+        "input_tokens": done.prompt_tokens - done.prefix_cached_tokens,
+        "cache_read_input_tokens": done.prefix_cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": done.result.num_tokens,
+    }
+
+
+def new_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def message_response(model: str, done: Finished) -> dict[str, Any]:
+    return {
+        "id": new_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": done.result.text}],
+        "stop_reason": stop_reason(done),
+        "stop_sequence": done.stop_sequence,
+        "usage": usage(done),
+        "dspark_flow": done.extension(),
+    }
+
+
+async def stream(job: Job, model: str, prompt_tokens: int) -> AsyncIterator[str]:
+    """message_start, content_block_start, ping, text deltas, content_block_stop,
+    message_delta (stop_reason, usage, extension field), message_stop."""
+    start = {
+        "id": new_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        # How much came from the prefix cache is known only at the end (message_delta).
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }
+    yield sse({"type": "message_start", "message": start}, "message_start")
+    block = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    yield sse(block, "content_block_start")
+    yield sse({"type": "ping"}, "ping")
+    try:
+        async for item in job.items():
+            if isinstance(item, str):
+                delta = {"type": "text_delta", "text": item}
+                yield sse(
+                    {"type": "content_block_delta", "index": 0, "delta": delta},
+                    "content_block_delta",
+                )
+                continue
+            yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            delta_event = {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason(item), "stop_sequence": item.stop_sequence},
+                "usage": usage(item),
+                "dspark_flow": item.extension(),
+            }
+            yield sse(delta_event, "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")
+    except ApiError as exc:  # the status line has gone out: report in the stream
+        yield sse(exc.anthropic_body(), "error")

@@ -1,0 +1,181 @@
+"""What both APIs share: the client-error type, request-body reading, key checks, SSE framing and
+the `dspark_flow` extension field."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from dspark_flow.result import GenResult
+
+M = TypeVar("M", bound=BaseModel)
+
+# Anthropic names its error types by status; OpenAI uses invalid_request_error for all 4xx.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered in the calling API's own envelope with this HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def openai_body(self) -> dict[str, Any]:
+        kind = self.type or ("invalid_request_error" if self.status < 500 else "server_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_ERROR_TYPES.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body(path: str, error: ApiError) -> dict[str, Any]:
+    return error.anthropic_body() if is_anthropic_path(path) else error.openai_body()
+
+
+# -- request reading ---------------------------------------------------------------------------
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `limit` bytes (checked before and while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked uploads carry no content-length
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(
+            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "union[")):  # pydantic's internal loc parts
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def parse_model(model: type[M], data: dict[str, Any]) -> M:
+    """Validate a request body; the first problem becomes a 400 naming the parameter."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = _loc(err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "missing":
+            message = f"missing required parameter: '{param}'"
+        else:
+            message = f"invalid value for '{param}': {msg}" if param else msg
+        raise ApiError(400, message, param=param or None, code="invalid_value") from None
+
+
+def check_api_key(request: Request, key: str | None) -> None:
+    """OpenAI clients send `Authorization: Bearer KEY`, Anthropic clients `x-api-key: KEY`;
+    either header is accepted on every route. Compared in constant time."""
+    if key is None:
+        return
+    offered: list[str] = []
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        offered.append(auth[7:].strip())
+    if "x-api-key" in request.headers:
+        offered.append(request.headers["x-api-key"].strip())
+    if not any(hmac.compare_digest(o.encode(), key.encode()) for o in offered):
+        message = "invalid API key" if offered else "missing API key"
+        raise ApiError(401, message, code="invalid_api_key")
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Finished:
+    """A generation's result with the figures the server adds to it."""
+
+    result: GenResult
+    prompt_tokens: int
+    prefix_cached_tokens: int
+    queue_seconds: float
+    stop_sequence: str | None
+    drafter: str
+
+    def extension(self) -> dict[str, Any]:
+        """The `dspark_flow` field: speculation figures (clients ignore unknown fields)."""
+        r = self.result
+        return {
+            "mean_accept_len": round(r.mean_accept_len, 4),
+            "decode_tokens_per_sec": round(r.decode_tokens_per_sec, 3),
+            "tokens_per_sec": round(r.tokens_per_sec, 3),
+            "ttft_seconds": round(r.ttft_seconds, 4),
+            "prefill_seconds": round(r.prefill_seconds, 4),
+            "queue_seconds": round(self.queue_seconds, 4),
+            "prefix_cached_tokens": self.prefix_cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": r.num_tokens,
+            "num_rounds": r.num_rounds,
+            "target_forwards": r.target_forwards,
+            "drafter": self.drafter,
+        }

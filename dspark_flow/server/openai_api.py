@@ -1,0 +1,248 @@
+"""OpenAI-compatible request models and response/SSE builders (chat completions, completions).
+
+Requests are validated strictly (no "10" for 10, no true for 1): a wrong type is a 400 naming
+the parameter, not a silent coercion. Fields this server does not use are ignored, but settings
+that would change the output in a way it cannot honour (n > 1, penalties, logprobs, tools) are
+refused rather than dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dspark_flow.server.common import ApiError, Finished, sse
+from dspark_flow.server.engine import Job
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="extension: keep the k likeliest tokens")
+    min_p: float | None = Field(None, ge=0.0, lt=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("n must be 1 (one choice per request)")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Common:
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        for message in self.messages:
+            message.text()  # raises on non-text parts
+        return self
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # "developer" is the newer name for "system"; chat templates know only the latter.
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.echo or self.suffix or (self.best_of not in (None, 1)):
+            raise ValueError("echo, suffix and best_of are not supported")
+        if self._batched and len(self.prompt) != 1:
+            raise ValueError("one prompt per request (a list must hold exactly one)")
+        return self
+
+    @property
+    def _batched(self) -> bool:
+        """A list of prompts (strings or token lists) rather than one prompt."""
+        p = self.prompt
+        return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+    def single_prompt(self) -> str | list[int]:
+        return self.prompt[0] if self._batched else self.prompt  # type: ignore[return-value]
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_tokens
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(done: Finished) -> dict[str, Any]:
+    completion = done.result.num_tokens
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": done.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": done.prefix_cached_tokens},
+    }
+
+
+def chat_response(model: str, done: Finished) -> dict[str, Any]:
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.result.text},
+                "logprobs": None,
+                "finish_reason": done.result.finish_reason,
+            }
+        ],
+        "usage": usage(done),
+        "dspark_flow": done.extension(),
+    }
+
+
+def completion_response(model: str, done: Finished) -> dict[str, Any]:
+    return {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": done.result.text,
+                "logprobs": None,
+                "finish_reason": done.result.finish_reason,
+            }
+        ],
+        "usage": usage(done),
+        "dspark_flow": done.extension(),
+    }
+
+
+async def stream(job: Job, model: str, *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks: (chat: a role chunk,) text chunks, a final chunk with finish_reason and the
+    extension field, the usage chunk when asked for, then [DONE]."""
+    head = {
+        "id": new_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+
+    def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update({"logprobs": None, "finish_reason": finish})
+        return {**head, "choices": [choice]}
+
+    if chat:
+        yield sse(chunk(None, role=True))
+    try:
+        async for item in job.items():
+            if isinstance(item, str):
+                yield sse(chunk(item))
+                continue
+            final = chunk(None, finish=item.result.finish_reason)
+            final["dspark_flow"] = item.extension()
+            yield sse(final)
+            if include_usage:
+                yield sse(
+                    {**head, "choices": [], "usage": usage(item), "dspark_flow": item.extension()}
+                )
+    except ApiError as exc:  # the status line has gone out: report in the stream
+        yield sse(exc.openai_body())
+    yield sse("[DONE]")

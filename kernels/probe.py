@@ -1,0 +1,291 @@
+"""Probe before enable: a kernel runs for a shape only after it was timed against its twin and
+gave the same values there, on this machine.
+
+A verdict is keyed by everything that can change the answer (kernel name and source version,
+weight format, rows, N, K, dtypes, backend, device name, MLX version) and cached as JSON under
+`cache_root()/kernels/` (or `$DSPARK_FLOW_KERNEL_CACHE`), so each shape is probed once per
+machine and software stack. Correctness is checked on two random draws (never zeros) with a
+tolerance relative to the output's scale; a kernel that is wrong is refused however fast it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+CACHE_ENV = "DSPARK_FLOW_KERNEL_CACHE"
+CACHE_VERSION = 1
+CACHE_FILE = "verdicts.json"
+MIN_GAIN = 0.05  # the kernel must be at least 5% faster than its twin
+# Largest error allowed, as a fraction of the twin's largest |output|. The twins themselves
+# accumulate in half precision on some backends, hence the looser half-precision bounds.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
+
+Op = Callable[..., Any]
+
+
+def cache_dir() -> Path:
+    """$DSPARK_FLOW_KERNEL_CACHE, else `cache_root()/kernels`."""
+    if path := os.environ.get(CACHE_ENV):
+        return Path(path).expanduser()
+    from dspark_flow.models.embedded import cache_root
+
+    return cache_root() / "kernels"
+
+
+@cache
+def environment() -> dict[str, str]:
+    """What a verdict depends on besides the shape: backend, device name, MLX version."""
+    from dspark_flow.models.backend import backend_name
+
+    try:
+        device = str(mx.device_info().get("device_name", "unknown"))
+    except Exception:  # older MLX or a backend without device_info
+        device = "unknown"
+    return {"backend": backend_name(), "device": device, "mlx": mx.__version__}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class ProbeKey:
+    kernel: str  # e.g. "qmm_small_m"
+    version: str  # the kernel source hash: editing the kernel re-probes
+    fmt: str  # weight format, e.g. "affine-b4-g32-float16"
+    rows: int
+    n: int
+    k: int
+    dtype: str  # activations
+    backend: str
+    device: str
+    mlx: str
+
+    @classmethod
+    def make(cls, kernel: str, version: str, fmt: str, rows: int, n: int, k: int, dtype: str):
+        return cls(kernel, version, fmt, rows, n, k, dtype, **environment())
+
+    def id(self) -> str:
+        return "|".join(str(v) for v in asdict(self).values())
+
+
+@dataclass
+class Verdict:
+    enabled: bool
+    reason: str
+    kernel_ms: float | None = None
+    twin_ms: float | None = None
+    max_rel_err: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the co-prefill share
+    cached: bool = False  # came from the cache file (not stored)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.kernel_ms and self.twin_ms:
+            return self.twin_ms / self.kernel_ms
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("cached")
+        return data
+
+
+class VerdictCache:
+    """The verdict file: a version field and one entry per key id. Writes are atomic (temp
+    file + rename) and re-read the file under a lock first, so concurrent probers merge."""
+
+    def __init__(self, directory: Path | None = None):
+        self.path = (directory or cache_dir()) / CACHE_FILE
+        self._entries: dict[str, dict[str, Any]] | None = None
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            return {}  # another layout: ignore it (it is replaced on the next write)
+        entries = data.get("entries")
+        return entries if isinstance(entries, dict) else {}
+
+    def get(self, key: ProbeKey) -> Verdict | None:
+        if self._entries is None:
+            self._entries = self._read()
+        raw = self._entries.get(key.id())
+        if raw is None:
+            return None
+        try:
+            return Verdict(**raw, cached=True)
+        except TypeError:  # an entry written by other code: probe again
+            return None
+
+    def put(self, key: ProbeKey, verdict: Verdict) -> None:
+        from filelock import FileLock  # a huggingface_hub dependency, so always present
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.path) + ".lock"):
+                entries = self._read()
+                entries[key.id()] = verdict.to_json()
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".verdicts-")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
+                os.replace(tmp, self.path)
+            self._entries = entries
+        except OSError:  # a read-only cache only costs re-probing next time
+            if self._entries is not None:
+                self._entries[key.id()] = verdict.to_json()
+
+
+def _sync(outputs: Any) -> None:
+    mx.eval(outputs)
+    mx.synchronize()
+
+
+def time_pair(
+    kernel: Op,
+    twin: Op,
+    inputs: Sequence[Any],
+    warmup: int = 3,
+    trials: int = 7,
+    reps: int | None = None,
+) -> tuple[float, float]:
+    """Median milliseconds per call of kernel and twin. Each trial queues `reps` calls and
+    evaluates them together (launch cost included, the per-eval overhead spread thin: by
+    default enough calls for ~2 ms of twin work, 4 to 50); kernel and twin alternate so that
+    clock or thermal drift hits both alike."""
+    _sync(list(inputs))
+    for _ in range(warmup):
+        _sync([kernel(*inputs), twin(*inputs)])
+    if reps is None:
+        t0 = time.perf_counter()
+        _sync([twin(*inputs) for _ in range(4)])
+        per_call = (time.perf_counter() - t0) / 4
+        reps = max(4, min(50, int(2e-3 / max(per_call, 1e-9))))
+    samples: dict[int, list[float]] = {0: [], 1: []}
+    for t in range(trials):
+        order = (0, 1) if t % 2 == 0 else (1, 0)
+        for which in order:
+            fn = kernel if which == 0 else twin
+            mx.synchronize()
+            t0 = time.perf_counter()
+            _sync([fn(*inputs) for _ in range(reps)])
+            samples[which].append((time.perf_counter() - t0) * 1e3 / reps)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def relative_error(out: Any, ref: mx.array) -> float:
+    """max |out - ref| / max |ref|; inf when shapes or dtypes differ or values are not finite."""
+    if not isinstance(out, mx.array) or out.shape != ref.shape or out.dtype != ref.dtype:
+        return float("inf")
+    diff = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    scale = mx.abs(ref.astype(mx.float32)).max().item()
+    err = diff / max(scale, 1e-30)
+    return err if err == err else float("inf")  # NaN -> inf
+
+
+def probe(
+    key: ProbeKey,
+    kernel: Op,
+    twin: Op,
+    make_inputs: Callable[[int], Sequence[Any]],
+    tol: float,
+    min_gain: float = MIN_GAIN,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """The verdict for `key`: from the cache, else measured (and cached).
+
+    `make_inputs(seed)` draws random inputs; `kernel(*inputs)` returns the output, or None
+    where it has no implementation (declined, not cached: nothing was measured).
+    """
+    store = store if store is not None else VerdictCache()
+    if not force and (hit := store.get(key)) is not None:
+        return hit
+    draws = [make_inputs(0), make_inputs(1)]
+    try:
+        outs = [kernel(*inputs) for inputs in draws]
+        if any(out is None for out in outs):
+            return Verdict(False, "no kernel for these inputs on this backend")
+        errs = [relative_error(out, twin(*inputs)) for out, inputs in zip(outs, draws)]
+        kernel_ms, twin_ms = time_pair(kernel, twin, draws[0])
+    except Exception as e:  # a kernel that fails to compile or launch is refused, not fatal
+        verdict = Verdict(False, f"kernel failed: {type(e).__name__}: {str(e)[:300]}")
+        store.put(key, verdict)
+        return verdict
+    err = max(errs)
+    faster = twin_ms >= kernel_ms * (1.0 + min_gain)
+    if err > tol:
+        reason = f"wrong values: error {err:.3g} of output scale > tolerance {tol:g}"
+    elif not faster:
+        reason = f"not faster: {kernel_ms:.4f} ms vs twin {twin_ms:.4f} ms"
+    else:
+        reason = f"{twin_ms / kernel_ms:.2f}x faster, error {err:.2g}"
+    verdict = Verdict(err <= tol and faster, reason, kernel_ms, twin_ms, err)
+    store.put(key, verdict)
+    return verdict
+
+
+# -- the qmm_small_m probe -----------------------------------------------------------------
+
+
+def qmm_inputs(
+    rows: int, n: int, k: int, bits: int, group_size: int, x_dtype: mx.Dtype, s_dtype: mx.Dtype
+) -> Callable[[int], tuple[Any, ...]]:
+    """Random (x, w, scales, biases, group_size, bits) for one verify shape."""
+
+    def make(seed: int) -> tuple[Any, ...]:
+        kx, kw = mx.random.split(mx.random.key(seed))
+        x = mx.random.normal((rows, k), key=kx).astype(x_dtype)
+        w, s, b = mx.quantize(
+            mx.random.normal((n, k), key=kw) * 0.05, group_size=group_size, bits=bits
+        )
+        inputs = (x, w, s.astype(s_dtype), b.astype(s_dtype))
+        mx.eval(inputs)
+        return (*inputs, group_size, bits)
+
+    return make
+
+
+def probe_qmm(
+    rows: int,
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int,
+    x_dtype: mx.Dtype,
+    s_dtype: mx.Dtype,
+    kernel: Op | None = None,
+    min_gain: float = MIN_GAIN,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """Whether `qmm_small_m` should replace the stock quantized matmul for this shape.
+
+    `kernel` replaces the real kernel (tests inject fakes); it is keyed by its own name."""
+    from dspark_flow.kernels import qmm_small_m as q
+
+    make = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)
+    if kernel is None:
+        if (why := q.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype)) is not None:
+            return Verdict(False, why)  # declined before any timing; not cached
+        name, version, fn = q.KERNEL_NAME, q.KERNEL_VERSION, q.qmm_small_m
+    else:
+        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    key = ProbeKey.make(name, version, fmt, rows, n, k, dtype_name(x_dtype))
+    out_dtype = dtype_name(q.output_dtype(x_dtype, s_dtype))
+    tol = TOLERANCE.get(out_dtype, 1e-2)
+    return probe(key, fn, q.qmm_small_m_reference, make, tol, min_gain, store, force)

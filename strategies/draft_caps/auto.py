@@ -1,0 +1,23 @@
+"""draft_cap `auto`: `calibrated`, with the acceptance learnt from every round.
+
+Each round's (proposed, accepted) updates a forgetting estimate of the per-position acceptance
+p (see `AcceptanceEstimator`), and k is re-picked from the measured curves. When no k is
+expected to beat plain decoding (gain < `min_gain`) it drafts nothing, except a short probe
+every `probe_every` rounds so that it notices when drafts start matching again.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from dspark_flow.calibration.controller import AdaptiveCapConfig, CurveCap
+
+
+class AutoCapConfig(AdaptiveCapConfig):
+    kind: Literal["auto"] = "auto"
+
+
+class AutoCap(CurveCap):
+    adaptive: ClassVar[bool] = True
+    Config = AutoCapConfig
+    config: AutoCapConfig

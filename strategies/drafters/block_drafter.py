@@ -1,0 +1,208 @@
+"""Shared machinery of the trained block drafters (`dspark`, `dflash`); not a kind itself.
+
+Each round drafts one block [anchor, mask, mask, ...] in a single parallel pass of the drafter
+backbone, where the anchor is the last committed token (whose target features do not exist yet:
+the target has not run on it) and the context is the tapped target features of every committed
+position before it. Features arrive through `after_forward`, right after each target forward, cut
+to the committed rows; they are projected into the drafter's context keys/values once and never
+rolled back, because only committed rows ever enter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import Field, field_validator
+
+from dspark_flow.errors import ConfigError, DsparkFlowError
+from dspark_flow.models.drafter_backbone import ContextKV, DrafterBackbone
+from dspark_flow.models.drafter_loading import (
+    DrafterSpec,
+    check_pair,
+    load_drafter_weights,
+    read_spec,
+    resolve_drafter,
+)
+from dspark_flow.models.taps import FeatureTaps, install_taps
+from dspark_flow.strategy import BuildContext, Draft, Drafter, Sampler, StrategyConfig
+
+
+class BlockDrafterConfig(StrategyConfig):
+    checkpoint: str = Field(
+        "auto",
+        description="builtin:<name>, hub repo id or local dir; 'auto' looks the target up in "
+        "the drafter table (dspark_flow/data/drafters.json)",
+    )
+    revision: str | None = Field(None, description="hub revision of the checkpoint to pin")
+    quantize: Literal[4, 8] | None = Field(
+        4, description="quantize the drafter's matrices to 4 or 8 bits at load (null: keep)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="float parameters: auto = float32 on the CPU backend, else as stored"
+    )
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _none_word(cls, value: Any) -> Any:
+        # `quantize: none` in YAML is the string "none", not null.
+        return (
+            None if isinstance(value, str) and value.lower() in ("none", "null", "off") else value
+        )
+
+
+class BlockDrafter(Drafter):
+    Config: ClassVar[type[StrategyConfig]] = BlockDrafterConfig
+    config: BlockDrafterConfig
+    LAYOUTS: ClassVar[tuple[str, ...]] = ()
+    # Which block slot predicts the first draft token: DSpark's slot 0 (the anchor's own slot)
+    # predicts the token after the anchor; DFlash's slot 0 is unused and slot j predicts the
+    # token at the anchor's position + j. Tests flip it to prove the convention matters.
+    first_slot: int = 0
+
+    def __init__(
+        self,
+        config: BlockDrafterConfig | None = None,
+        model: nn.Module | None = None,
+        spec: DrafterSpec | None = None,
+    ):
+        super().__init__(config)
+        self.model: Any = model
+        self.spec: DrafterSpec | None = spec
+        self._target: nn.Module | None = None
+        self._taps: FeatureTaps | None = None
+        self._sampler: Sampler | None = None
+        self._state = ContextKV(0)
+        self._pending: list[mx.array] = []
+        self._rows = 0  # committed rows received since begin()
+        # Set to a list to record each slot's scores (tests compare them with a reference).
+        self.trace: list[Any] | None = None
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def build(self, spec: DrafterSpec) -> DrafterBackbone:
+        """The empty drafter module for this checkpoint (names match the checkpoint's)."""
+        raise NotImplementedError
+
+    def bind(self, target: nn.Module) -> None:
+        """Take what the drafter borrows from the target (DFlash: embedding and LM head)."""
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def draft(self, hidden: mx.array, anchor: int, k: int) -> Draft:
+        """Up to k tokens from the block's hidden states (B, hidden)."""
+        raise NotImplementedError
+
+    def checkpoint_ref(self, ctx: BuildContext) -> str:
+        ref = self.config.checkpoint
+        if ref != "auto":
+            return ref
+        target = getattr(getattr(ctx.recipe, "target", None), "model", None)
+        if not target:
+            raise ConfigError(f"drafter {self.config.kind}: checkpoint 'auto' needs a target name")
+        return str(resolve_drafter(target, self.config.kind)["drafter"])
+
+    def load(self, ref: str) -> None:
+        from dspark_flow.models.loading import resolve_model_path
+
+        path = resolve_model_path(ref, self.config.revision)
+        self.load_path(path)
+
+    def load_path(self, path: Path) -> None:
+        spec = read_spec(Path(path))
+        if spec.layout not in self.LAYOUTS:
+            other = "dspark" if self.config.kind == "dflash" else "dflash"
+            raise ConfigError(
+                f"{path} is a {spec.layout} checkpoint ({spec.config.get('architectures')}); "
+                f"drafter kind '{self.config.kind}' reads {', '.join(self.LAYOUTS)} checkpoints: "
+                f"use kind '{other}' (DeepSpec's dflash_*_block7 models are DSpark-format)"
+            )
+        self.model = load_drafter_weights(
+            self.build(spec), spec, self.config.quantize, self.config.dtype
+        )
+        self.spec = spec
+
+    def warm_up(self, ctx: BuildContext) -> None:
+        if self.model is None:
+            self.load(self.checkpoint_ref(ctx))
+        if ctx.model is not self._target:
+            assert self.spec is not None
+            check_pair(self.spec, ctx.model)
+            self._taps = install_taps(ctx.model, self.spec.target_layer_ids)
+            self.bind(ctx.model)
+            self._target = ctx.model
+
+    # -- one generation ----------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size if self.spec is not None else 0
+
+    def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
+        if self._taps is None:
+            raise DsparkFlowError(f"drafter {self.config.kind}: warm_up() first")
+        self._sampler = sampler
+        self._state = ContextKV(len(self.model.layers))
+        self._pending, self._rows = [], 0
+        self._taps.latest.clear()
+
+    def after_forward(self, committed: int) -> None:
+        assert self._taps is not None and self.spec is not None
+        feats = self._taps.take(self.spec.target_layer_ids)
+        if feats is None:
+            raise ConfigError(
+                f"drafter {self.config.kind}: the target forward recorded no features at layers "
+                f"{self.spec.target_layer_ids}; the verifier must run the target's own layers "
+                "(use verifier 'reference')"
+            )
+        self._pending.append(feats[:, :committed])
+        self._rows += committed
+
+    def _sync_context(self, history: list[int]) -> None:
+        """Project the newly committed rows into the context; check they line up with history."""
+        anchor_pos = len(history) - 1  # rows before the anchor are exactly the context
+        if self._pending:
+            if self._state.end == 0:
+                # A reused prompt-cache prefix was never forwarded, so it has no features: the
+                # context then starts where the forwarded rows start.
+                self._state.end = anchor_pos - self._rows
+                if self._state.end < 0:
+                    raise DsparkFlowError("more target features than committed tokens")
+            feats = (
+                self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending, 1)
+            )
+            self._pending = []
+            self.model.extend_context(self._state, feats)
+        if self._state.end != anchor_pos:
+            raise DsparkFlowError(
+                f"drafter {self.config.kind} lost step with the committed tokens (context ends at "
+                f"{self._state.end}, anchor at {anchor_pos}): after_forward must follow every "
+                "target forward"
+            )
+
+    def propose(self, history: list[int], k: int) -> Draft:
+        assert self.spec is not None
+        self._sync_context(history)
+        block = mx.array([history[-1]] + [self.spec.mask_token_id] * (self.block_size - 1))
+        hidden = self.model(self._state, self.embed(block)[None])[0]
+        return self.draft(hidden, history[-1], k)
+
+    # -- sampling helpers --------------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        return self._sampler is None or self._sampler.greedy
+
+    def draw(self, q: mx.array) -> mx.array:
+        """One token from the processed distribution q (lazy; no host sync)."""
+        sample_from = getattr(self._sampler, "sample_from", None)
+        if sample_from is not None:
+            return sample_from(q)
+        return mx.random.categorical(mx.log(q))
+
+    def probs(self, logits: mx.array) -> mx.array:
+        assert self._sampler is not None
+        return self._sampler.probs(logits[None])[0]

@@ -1,0 +1,251 @@
+"""verifier `kernels`: the reference forward, with the target's quantized matmuls routed through
+`dspark_flow.kernels` for the shapes where a probe on this machine said the kernel is correct
+and faster (see docs/kernels.md).
+
+warm_up finds the target's quantized layers (QuantizedLinear, and a QuantizedEmbedding used as
+the tied output head), runs one recording forward to learn each layer's activation dtype, then
+probes every verify shape (rows 1..max_rows) of every distinct layer shape; verdicts are cached
+per machine. Layers are rerouted by swapping their class to a subclass whose matmul asks the
+router first (reversible with `restore()`; nothing global is patched). The router is active only
+inside this verifier's `forward`, so anything else running the same model gets the stock path.
+Where no shape is enabled (the CPU backend always) nothing is swapped: output = `reference`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from pydantic import Field
+
+from dspark_flow.kernels.coprefill import coprefill_qmm, row_bucket
+from dspark_flow.log import get_logger
+from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
+
+log = get_logger()
+
+_ROUTER: contextvars.ContextVar[_Router | None] = contextvars.ContextVar(
+    "dspark_flow_kernel_router", default=None
+)
+_SUBCLASSES: dict[type, type] = {}
+
+
+class KernelsConfig(StrategyConfig):
+    kind: Literal["kernels"] = "kernels"
+    max_rows: int = Field(16, ge=1, le=16, description="largest verify forward routed (rows)")
+    min_gain: float = Field(0.05, ge=0.0, description="speedup over the twin a kernel needs")
+    head: bool = Field(True, description="route the tied output head (QuantizedEmbedding) too")
+    coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
+    reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
+
+
+def _quant_args(module: nn.Module) -> tuple[mx.array, mx.array, mx.array | None]:
+    return module["weight"], module["scales"], module.get("biases")
+
+
+@dataclass(slots=True)
+class _Route:
+    """What one layer may take: its activation dtype, the verify row counts enabled for the
+    kernel (bit r set: r rows), and CPU co-prefill shares by prefill row bucket."""
+
+    dtype: mx.Dtype
+    rows_mask: int = 0
+    shares: dict[int, float] = field(default_factory=dict)
+
+
+class _Router:
+    """Decides each routed matmul's path; kept lean (it runs ~200 times per forward)."""
+
+    def __init__(self, kernel: Callable[..., Any], max_rows: int):
+        self.kernel = kernel
+        self.max_rows = max_rows
+        self.recording: dict[int, mx.Dtype] | None = None
+        self.routes: dict[int, _Route] = {}  # by id(module)
+        self.calls = 0  # matmuls that took a kernel (for reports and tests)
+
+    def matmul(self, module: nn.Module, x: mx.array) -> mx.array | None:
+        if self.recording is not None:
+            self.recording[id(module)] = x.dtype
+            return None
+        route = self.routes.get(id(module))
+        if route is None or x.dtype != route.dtype:
+            return None
+        rows = x.size // x.shape[-1]
+        if rows <= self.max_rows:
+            if not route.rows_mask >> rows & 1:
+                return None
+            self.calls += 1
+            w, s, b = _quant_args(module)
+            return self.kernel(x, w, s, b, module.group_size, module.bits)
+        share = route.shares.get(row_bucket(rows) or 0) if route.shares else None
+        if share is None:
+            return None
+        self.calls += 1
+        w, s, b = _quant_args(module)
+        return coprefill_qmm(x, w, s, b, module.group_size, module.bits, share)
+
+
+def _routed_linear_call(self: nn.Module, x: mx.array) -> mx.array:
+    router = _ROUTER.get()
+    y = router.matmul(self, x) if router is not None else None
+    if y is None:
+        return super(type(self), self).__call__(x)
+    return y + self["bias"] if "bias" in self else y
+
+
+def _routed_as_linear(self: nn.Module, x: mx.array) -> mx.array:
+    router = _ROUTER.get()
+    y = router.matmul(self, x) if router is not None else None
+    return super(type(self), self).as_linear(x) if y is None else y
+
+
+def _routed_class(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        method = "as_linear" if issubclass(cls, nn.QuantizedEmbedding) else "__call__"
+        impl = _routed_as_linear if method == "as_linear" else _routed_linear_call
+        _SUBCLASSES[cls] = type(f"Routed{cls.__name__}", (cls,), {method: impl})
+    return _SUBCLASSES[cls]
+
+
+class KernelVerifier(Verifier):
+    Config = KernelsConfig
+    config: KernelsConfig
+
+    def __init__(
+        self, config: KernelsConfig | None = None, kernel: Callable[..., Any] | None = None
+    ):
+        """`kernel` replaces `qmm_small_m` (tests inject fakes; the probe still judges them)."""
+        super().__init__(config)
+        self._kernel = kernel
+        self._router: _Router | None = None
+        self._swapped: list[tuple[nn.Module, type]] = []
+        self._warmed: int | None = None  # id of the model warmed for (pipelines may share us)
+        self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _layers(self, model: nn.Module) -> list[nn.Module]:
+        layers = []
+        for _, module in model.named_modules():
+            if getattr(module, "mode", "affine") != "affine" or module.get("biases") is None:
+                continue  # the kernels implement affine quantization only
+            if isinstance(module, nn.QuantizedLinear) or (
+                self.config.head and isinstance(module, nn.QuantizedEmbedding)
+            ):
+                layers.append(module)
+        return layers
+
+    def _swap(self, layers: list[nn.Module]) -> None:
+        for module in layers:
+            if type(module) not in _SUBCLASSES.values():
+                self._swapped.append((module, type(module)))
+                module.__class__ = _routed_class(type(module))
+
+    def restore(self) -> None:
+        """Give the swapped layers their own classes back."""
+        for module, cls in self._swapped:
+            module.__class__ = cls
+        self._swapped.clear()
+
+    # -- warm-up ---------------------------------------------------------------------------
+
+    def warm_up(self, ctx: BuildContext) -> None:
+        from dspark_flow.kernels import qmm_small_m as q
+        from dspark_flow.kernels.probe import VerdictCache, dtype_name, probe_qmm
+
+        cfg = self.config
+        if self._warmed == id(ctx.model):
+            return
+        self.restore()
+        self._router, self._warmed, self.verdicts = None, id(ctx.model), []
+        layers = self._layers(ctx.model)
+        if not layers:
+            log.info("kernels verifier: the target has no affine-quantized layers")
+            return
+        router = _Router(self._kernel or q.qmm_small_m_trusted, cfg.max_rows)
+        self._swap(layers)
+        router.recording = {}
+        token = _ROUTER.set(router)
+        try:  # one token, no cache: learns the activation dtype each layer sees
+            mx.eval(ctx.model(mx.array([[1]], dtype=mx.uint32)))
+        finally:
+            _ROUTER.reset(token)
+        seen, router.recording = router.recording, None
+        store = VerdictCache()
+        shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+        for module in layers:
+            if id(module) in seen:  # a layer the forward never calls is left alone
+                w, s, _ = _quant_args(module)
+                k = w.shape[1] * 32 // module.bits
+                shape = (w.shape[0], k, module.bits, module.group_size, seen[id(module)], s.dtype)
+                shapes.setdefault(shape, []).append(module)
+        for (n, k, bits, gs, x_dtype, s_dtype), group in shapes.items():
+            for rows in range(1, cfg.max_rows + 1):
+                v = probe_qmm(
+                    rows, n, k, bits, gs, x_dtype, s_dtype, self._kernel, cfg.min_gain, store,
+                    cfg.reprobe,
+                )  # fmt: skip
+                self._note("qmm_small_m", rows, n, k, bits, gs, dtype_name(x_dtype), v)
+                if v.enabled:
+                    for m in group:
+                        route = router.routes.setdefault(id(m), _Route(x_dtype))
+                        route.rows_mask |= 1 << rows
+            if cfg.coprefill:
+                self._probe_coprefill(router, group, n, k, bits, gs, x_dtype, s_dtype, store)
+        # Only routed layers keep the routed class; the rest get their own back.
+        keep = [(m, c) for m, c in self._swapped if id(m) in router.routes]
+        for module, cls in self._swapped:
+            if id(module) not in router.routes:
+                module.__class__ = cls
+        self._swapped = keep
+        if router.routes:
+            self._router = router
+            rows_on = sorted(
+                {r for rt in router.routes.values() for r in range(17) if rt.rows_mask >> r & 1}
+            )
+            log.info("kernels verifier: kernels enabled", layers=len(keep), rows=rows_on)
+        else:
+            why = self.verdicts[0]["reason"] if self.verdicts else "no shapes"
+            log.info("kernels verifier: every probe declined", reason=why)
+
+    def _probe_coprefill(self, router, group, n, k, bits, gs, x_dtype, s_dtype, store) -> None:
+        from dspark_flow.kernels.coprefill import ROW_BUCKETS, probe_coprefill
+        from dspark_flow.kernels.probe import dtype_name
+
+        for rows in ROW_BUCKETS:
+            v = probe_coprefill(
+                rows, n, k, bits, gs, x_dtype, s_dtype, self.config.min_gain, store,
+                self.config.reprobe,
+            )  # fmt: skip
+            self._note("coprefill_qmm", rows, n, k, bits, gs, dtype_name(x_dtype), v)
+            if v.enabled:
+                for m in group:
+                    route = router.routes.setdefault(id(m), _Route(x_dtype))
+                    route.shares[rows] = float(v.extra["share"])
+
+    def _note(self, kernel: str, rows, n, k, bits, gs, dtype: str, v: Any) -> None:
+        self.verdicts.append(
+            {"kernel": kernel, "rows": rows, "n": n, "k": k, "bits": bits, "group_size": gs,
+             "dtype": dtype, **v.to_json(), "cached": v.cached}
+        )  # fmt: skip
+
+    @property
+    def kernel_calls(self) -> int:
+        """Matmuls that went through a kernel so far."""
+        return self._router.calls if self._router is not None else 0
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
+        ids = mx.array(tokens, dtype=mx.uint32)[None]
+        if self._router is None:
+            return model(ids, cache=cache)[0]
+        token = _ROUTER.set(self._router)
+        try:  # the graph is built here; evaluation later needs no router
+            return model(ids, cache=cache)[0]
+        finally:
+            _ROUTER.reset(token)

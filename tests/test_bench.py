@@ -1,0 +1,299 @@
+"""`dspark-flow bench`: prompt files, the report schema, the free output-equality check.
+
+The model-backed tests run 2 short prompts, 8 tokens, 1 trial on the embedded target.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_flow.bench.prompts import BenchPrompt, load_prompts
+from dspark_flow.cli.main import main
+from dspark_flow.errors import DsparkFlowError
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+META_KEYS = {
+    "machine",
+    "cpu",
+    "backend",
+    "mlx_version",
+    "mlx_lm_version",
+    "dspark_flow_version",
+    "weight_format",
+    "date",
+    "command",
+}
+RUN_KEYS = {
+    "target": str,
+    "mode": str,
+    "kind": str,
+    "baseline": bool,
+    "category": str,
+    "prompt_id": str,
+    "trial": int,
+    "prompt_tokens": int,
+    "num_tokens": int,
+    "decode_tok_s": float,
+    "e2e_tok_s": float,
+    "ttft_s": float,
+    "mean_accept_len": float,
+    "finish_reason": str,
+    "accept_lengths": list,
+}
+STAT_FIGURES = ("decode_tok_s", "e2e_tok_s", "ttft_s", "mean_accept_len", "num_tokens")
+
+
+def has_matplotlib() -> bool:
+    from dspark_flow.bench.plots import available
+
+    return available()
+
+
+# -- prompt files (no model) -------------------------------------------------------------------
+
+
+def test_prompt_files(tmp_path):
+    jsonl = tmp_path / "humaneval.jsonl"
+    jsonl.write_text(
+        '{"turns": ["first", "second turn is ignored"]}\n\n'
+        '{"turns": ["tagged"], "category": "code"}\n'
+        '{"turns": ["third"]}\n'
+    )
+    text = tmp_path / "mine.txt"
+    text.write_text("one prompt\n\n  another prompt  \n")
+    prompts = load_prompts([jsonl, text], limit=1)
+    assert [(p.category, p.text) for p in prompts] == [
+        ("humaneval", "first"),
+        ("code", "tagged"),
+        ("mine", "one prompt"),
+    ]
+    assert len({p.id for p in prompts}) == len(prompts)
+    shipped = load_prompts()
+    assert len(shipped) == 24
+    assert {p.category for p in shipped} == {"chat", "code", "math", "edit"}
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ('{"turns": ["ok"]}\n{"turns": [broken\n', "line 2: not valid JSON"),
+        ('{"prompt_list": ["x"]}\n', "line 1: expected 'turns'"),
+        ("", "holds no prompts"),
+    ],
+)
+def test_bad_prompt_file_is_one_error(tmp_path, content, needle):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    with pytest.raises(DsparkFlowError, match=needle):
+        load_prompts([bad])
+
+
+def test_cli_refuses_unparseable_prompts(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json at all\n")
+    rc = main(
+        ["bench", str(RECIPES / "lookup.yaml"), "--prompts", str(bad), "--out", str(tmp_path)]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: prompts file") and "not valid JSON" in err[0]
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_cli_exits_3_on_mismatch(tmp_path, monkeypatch, capsys):
+    """The CLI side of the equality check, without a model: a mismatch means exit code 3."""
+    from dspark_flow.bench import api
+
+    data = {
+        "meta": {"date": "now"},
+        "runs": [],
+        "summary": [],
+        "mismatches": [
+            {"mode": "broken", "prompt_id": "edit-0", "trial": 0, "first_difference": 2}
+        ],
+    }
+    monkeypatch.setattr(api, "bench", lambda *a, **k: api.BenchOutcome(data))
+    rc = main(["bench", str(RECIPES / "lookup.yaml"), "--out", str(tmp_path)])
+    assert rc == 3
+    assert "OUTPUT MISMATCH: broken on edit-0" in capsys.readouterr().err
+
+
+def test_help_stays_light():
+    """Building the parser (what `dspark-flow --help` does) must not import the bench machinery."""
+    code = (
+        "import sys; from dspark_flow.cli.main import build_parser; build_parser(); "
+        "heavy = [m for m in ('dspark_flow.bench.runner', 'matplotlib', 'mlx_lm') if m in sys.modules]; "
+        "sys.exit(str(heavy) if heavy else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compare_and_rounds():
+    from dspark_flow.bench.runner import compare, mlx_lm_rounds
+
+    assert compare([1, 2, 3], [1, 2, 3], prefix_only=False) is None
+    assert compare([1, 2, 3], [1, 9, 3], prefix_only=False) == 1
+    assert compare([1, 2, 3], [1, 2], prefix_only=False) == 2
+    assert compare([1, 2, 3], [1, 2], prefix_only=True) is None
+    assert compare([1, 2], [1, 2, 3], prefix_only=True) == 2
+    # mlx-lm speculative: accepted drafts (True) then the target's token (False) per round.
+    assert mlx_lm_rounds([True, True, False, False, True, False, True]) == [3, 1, 2, 1]
+
+
+def test_speedup_figures():
+    from dspark_flow.bench.summary import summarize
+
+    def run(mode: str, prompt: str, tok_s: float) -> dict:
+        figures = dict.fromkeys(("e2e_tok_s", "ttft_s", "mean_accept_len", "peak_memory_mb"), 1.0)
+        return {
+            "target": "t",
+            "mode": mode,
+            "kind": "ours",
+            "baseline": mode == "greedy",
+            "category": "c",
+            "prompt_id": prompt,
+            "trial": 0,
+            "decode_tok_s": tok_s,
+            "num_tokens": 8,
+            **figures,
+        }
+
+    runs = [
+        run("greedy", "a", 10),
+        run("greedy", "b", 20),
+        run("fast", "a", 30),
+        run("fast", "b", 20),
+    ]
+    row = next(r for r in summarize(runs) if r["mode"] == "fast")
+    decode = row["speedup"]["greedy"]["decode"]
+    assert decode["ratio_of_medians"] == pytest.approx(25 / 15)
+    assert decode["median_of_ratios"] == pytest.approx((3.0 + 1.0) / 2)
+    assert row["decode_tok_s"] == {"median": 25.0, "min": 20.0, "max": 30.0}
+
+
+# -- with the embedded model -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_report_schema_through_cli(tmp_path, capsys):
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("Repeat this: the cat sat on the mat.\nSay hello.\n")
+    out = tmp_path / "out"
+    argv = ["bench", str(RECIPES / "lookup.yaml"), "--prompts", str(prompts), "--trials", "1"]
+    argv += ["--max-tokens", "8", "--verify-repeats", "1", "--out", str(out), "--quiet"]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+
+    data = json.loads((out / "bench.json").read_text())
+    assert {"meta", "runs", "summary"} <= set(data)
+    assert set(data["meta"]) >= META_KEYS
+    assert all(isinstance(data["meta"][k], str) for k in META_KEYS)
+    assert data["meta"]["command"].startswith("dspark-flow bench ")
+
+    modes = {r["mode"] for r in data["runs"]}
+    assert modes == {"greedy", "mlx-lm", "lookup"}
+    assert len(data["runs"]) == 2 * len(modes)
+    for r in data["runs"]:
+        for key, typ in RUN_KEYS.items():
+            assert isinstance(r[key], typ), (key, r[key])
+        assert r["peak_memory_mb"] is None or r["peak_memory_mb"] > 0
+        assert r["num_tokens"] <= 8
+        if r["mode"] != "greedy":
+            assert r["matches_greedy"] is True, r  # lossless, and mlx-lm agrees with our loop
+
+    rows = {(s["mode"], s["category"]) for s in data["summary"]}
+    assert ("lookup", "two") in rows and ("greedy", "two") in rows
+    lookup = next(s for s in data["summary"] if s["mode"] == "lookup")
+    for figure in STAT_FIGURES:
+        assert set(lookup[figure]) == {"median", "min", "max"}
+    assert set(lookup["speedup"]) == {"greedy", "mlx-lm"}
+    assert set(lookup["speedup"]["greedy"]["decode"]) == {"ratio_of_medians", "median_of_ratios"}
+    assert data["mismatches"] == []
+    assert [c["k"] for c in data["verify_cost"]] == list(range(1, 17))
+
+    md = (out / "bench.md").read_text()
+    assert "| category | mode |" in md and "mlx_version" in md and "MISMATCH" not in md
+    if has_matplotlib():
+        for png in ("speed.png", "acceptance.png", "verify_cost.png"):
+            if png != "acceptance.png" or any(
+                max(r["accept_lengths"] or [1]) > 1 for r in data["runs"]
+            ):
+                assert (out / png).stat().st_size > 1000, png
+    # The table also goes to stdout.
+    assert "| lookup |" in captured.out or "lookup" in captured.out
+
+
+@pytest.mark.slow
+def test_equality_check_catches_a_broken_verifier(embedded, tmp_path):
+    """A sampler whose verify accepts every draft, fed junk drafts: output differs from greedy and
+    the bench must say so (JSON, Markdown). A draft-model pipeline beside it stays lossless,
+    and mlx-lm's own speculative baseline runs with the same draft model."""
+    from dspark_flow.bench.api import bench
+    from dspark_flow.bench.runner import BenchConfig
+    from dspark_flow.pipeline import Pipeline
+    from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+    from dspark_flow.strategies.samplers.greedy import GreedySampler
+    from dspark_flow.strategy import Draft, Drafter, StrategyConfig
+    from tests.tiny import tiny_model
+
+    class JunkConfig(StrategyConfig):
+        kind: str = "junk"
+
+    class JunkDrafter(Drafter):
+        Config = JunkConfig
+
+        def propose(self, history: list[int], k: int) -> Draft:
+            return Draft(tokens=[42] * k)
+
+    class AcceptEverything(GreedySampler):
+        def verify(self, logits, draft: Draft) -> tuple[int, int]:
+            n = len(draft.tokens)
+            return n, int(logits[n].argmax().item())
+
+    broken = Pipeline.from_dict(
+        {"name": "broken", "drafter": {"kind": "lookup"}, "draft_cap": {"kind": "fixed", "k": 3}},
+        target=embedded,
+        drafter=JunkDrafter(),
+        sampler=AcceptEverything(),
+    )
+    drafter = DraftModelDrafter(DraftModelConfig(model="<tiny>"), model=tiny_model())
+    honest = Pipeline.from_dict(
+        {
+            "name": "tiny-draft",
+            "drafter": {"kind": "draft_model", "model": "<tiny>"},
+            "draft_cap": {"kind": "fixed", "k": 2},
+        },
+        target=embedded,
+        drafter=drafter,
+    )
+    prompts = [
+        BenchPrompt("edit-0", "edit", "Repeat: one two three four."),
+        BenchPrompt("chat-0", "chat", "Hi!"),
+    ]
+    outcome = bench(
+        [broken, honest],
+        prompts,
+        config=BenchConfig(trials=1, max_tokens=8, verify_cost=False),
+        out_dir=tmp_path,
+        plots=False,
+    )
+    data = outcome.data
+    modes = {r["mode"] for r in data["runs"]}
+    assert modes == {"greedy", "mlx-lm", "broken", "tiny-draft", "mlx-lm-spec[tiny-draft]"}
+    bad = {m["mode"] for m in outcome.mismatches}
+    assert bad == {"broken"}
+    assert len(outcome.mismatches) == 2  # both prompts
+    assert all(not r["matches_greedy"] for r in data["runs"] if r["mode"] == "broken")
+    rows = [s for s in data["summary"] if s["mode"] == "broken"]
+    assert {s["category"]: s["mismatches"] for s in rows} == {"edit": 1, "chat": 1, "all": 2}
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["mismatches"] and saved["mismatches"][0]["first_difference"] >= 0
+    assert "OUTPUT MISMATCHES" in (tmp_path / "bench.md").read_text()

@@ -1,0 +1,318 @@
+"""Draft caps that fit the machine: the curve cache, the choice formula, `auto`'s on/off logic,
+and losslessness of `calibrated`/`auto` on the real embedded model.
+
+Calibration here uses a tiny random model or few depths and repeats, and a temporary cache
+directory (the store's own override, so the user's model cache is left where it is).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from dspark_flow.calibration import curves as curves_mod
+from dspark_flow.calibration.controller import (
+    AcceptanceEstimator,
+    best_plan,
+    expected_tokens,
+)
+from dspark_flow.calibration.curves import Curves, monotone_fit
+from dspark_flow.calibration.obtain import obtain_curves
+from dspark_flow.calibration.store import ENV_DIR, VERSION, CurveStore, calibration_dir
+from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
+from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
+from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+from tests.tiny import tiny_model
+
+FAST = {"depths": [8, 24], "repeats": 1, "warmup": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(seed=3)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts calls of the two measuring functions."""
+    calls = {"verify": 0, "drafter": 0}
+    real_verify, real_drafter = curves_mod.measure_verify, curves_mod.measure_drafter
+
+    def verify(*a, **kw):
+        calls["verify"] += 1
+        return real_verify(*a, **kw)
+
+    def drafter(*a, **kw):
+        calls["drafter"] += 1
+        return real_drafter(*a, **kw)
+
+    monkeypatch.setattr(curves_mod, "measure_verify", verify)
+    monkeypatch.setattr(curves_mod, "measure_drafter", drafter)
+    return calls
+
+
+def lookup(max_draft: int = 4) -> LookupDrafter:
+    return LookupDrafter(LookupConfig(max_draft=max_draft))
+
+
+# -- the cache ---------------------------------------------------------------------------------
+
+
+def test_curves_are_cached_and_reused(tiny, tmp_path, counted):
+    store = CurveStore(tmp_path)
+    first, path, measured = obtain_curves(tiny, lookup(), store=store, **FAST)
+    assert measured and path.is_file() and path.parent == tmp_path
+    assert counted == {"verify": 1, "drafter": 1}
+    assert first.block == 4 and len(first.verify) == 2 and len(first.verify[0]) == 5
+    data = json.loads(path.read_text())
+    assert data["version"] == VERSION and data["key"]["weights"] == "float32"
+    assert {"target", "drafter", "machine", "settings"} <= set(data["key"])
+    assert data["key"]["machine"]["mlx"] and data["key"]["machine"]["backend"] == "cpu"
+
+    again, path2, measured2 = obtain_curves(tiny, lookup(), store=store, **FAST)
+    assert not measured2 and path2 == path and counted == {"verify": 1, "drafter": 1}
+    assert again.verify == first.verify and again.drafter == first.drafter
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp files left behind
+
+
+def test_a_changed_key_measures_again(tiny, tmp_path, counted):
+    store = CurveStore(tmp_path)
+    _, base, _ = obtain_curves(tiny, lookup(), store=store, **FAST)
+    _, other_drafter, m1 = obtain_curves(tiny, lookup(max_draft=3), store=store, **FAST)
+    _, other_depths, m2 = obtain_curves(tiny, lookup(), store=store, **{**FAST, "depths": [8]})
+    _, other_ref, m3 = obtain_curves(tiny, lookup(), store=store, target_ref="acme/x", **FAST)
+    assert m1 and m2 and m3 and counted["verify"] == 4
+    assert len({base, other_drafter, other_depths, other_ref}) == 4
+    _, forced, m4 = obtain_curves(tiny, lookup(), store=store, force=True, **FAST)
+    assert m4 and forced == base and counted["verify"] == 5
+
+
+def test_a_changed_weight_format_changes_the_key(tiny, tmp_path):
+    import mlx.core as mx
+
+    from dspark_flow.calibration.store import make_key
+
+    half = tiny_model(seed=3)
+    half.set_dtype(mx.bfloat16)
+    k32, k16 = make_key(tiny, lookup()), make_key(half, lookup())
+    assert k32["weights"] == "float32" and k16["weights"] == "bfloat16"
+    assert CurveStore(tmp_path).path_for(k32) != CurveStore(tmp_path).path_for(k16)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"version": VERSION - 1 if VERSION > 1 else 999, "key": {}, "curves": {}}),
+        "PLACEHOLDER_WRONG_SHAPE",
+    ],
+    ids=["corrupt", "wrong-version", "malformed-curves"],
+)
+def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, content):
+    store = CurveStore(tmp_path)
+    _, path, _ = obtain_curves(tiny, lookup(), store=store, **FAST)
+    if content == "PLACEHOLDER_WRONG_SHAPE":
+        data = json.loads(path.read_text())
+        data["curves"]["verify"] = [[1.0, 2.0]]  # one row for two depths
+        content = json.dumps(data)
+    path.write_text(content)
+    curves, path2, measured = obtain_curves(tiny, lookup(), store=store, **FAST)
+    assert measured and path2 == path and counted["verify"] == 2
+    assert json.loads(path.read_text())["curves"]["verify"] == curves.verify
+
+
+def test_an_unwritable_cache_dir_is_not_fatal(tiny, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    curves, _, measured = obtain_curves(tiny, lookup(), store=CurveStore(blocker / "sub"), **FAST)
+    assert measured and curves.block == 4
+
+
+def test_the_store_has_its_own_directory_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(ENV_DIR, raising=False)
+    assert calibration_dir() == tmp_path / "home" / "calibration"
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "cal"))
+    assert calibration_dir() == tmp_path / "cal" and CurveStore().root == tmp_path / "cal"
+
+
+# -- the formula -------------------------------------------------------------------------------
+
+
+def synthetic(verify_of_rows, block: int = 16, depths=(64,), drafter: float = 0.0) -> Curves:
+    rows = [[float(verify_of_rows(k)) for k in range(1, block + 2)] for _ in depths]
+    return Curves(depths=list(depths), verify=rows, drafter=[0.0] + [drafter] * block)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 3, p_first=0.2) == pytest.approx(1 + 0.2 * (1 + 0.5 + 0.25))
+
+
+@pytest.mark.parametrize(
+    ("name", "cost", "p", "k"),
+    [
+        # Flat (bf16 on a big GPU): every extra row is free, E grows with k -> the whole block.
+        ("flat", lambda K: 1.0, 0.9, 16),
+        # Linear (4-bit on the MLX CPU): E(p, k) / (k + 1) falls with k for any p < 1.
+        ("linear", lambda K: K, 0.5, 1),
+        ("linear", lambda K: K, 0.95, 1),
+        # Affine 1 + 0.25 (K - 1): E / (1 + 0.25 k) at p = 0.5 is 1.2, 1.167, ... -> 1;
+        # at p = 0.8: 1.44, 1.627, 1.687, 1.681 -> 3;
+        # at p = 0.95 the maximum is k = 9 (2.4693) but k = 8 (2.4650) is within the 0.5%
+        # tolerance, so the shorter draft wins -> 8.
+        ("affine", lambda K: 1 + 0.25 * (K - 1), 0.5, 1),
+        ("affine", lambda K: 1 + 0.25 * (K - 1), 0.8, 3),
+        ("affine", lambda K: 1 + 0.25 * (K - 1), 0.95, 8),
+        # A step at K = 4 (4-bit on an H200): k = 3 (E = 2.533 at cost 1) beats k = 4 (2.77 / 2).
+        ("step", lambda K: 1.0 if K <= 4 else 2.0, 0.7, 3),
+    ],
+)
+def test_the_choice_follows_the_formula(name, cost, p, k):
+    plan = best_plan(synthetic(cost), p, depth=64, max_k=16)
+    assert plan.k == k, name
+    cap = CalibratedCap(CalibratedCapConfig(acceptance=p), curves=synthetic(cost))
+    assert cap.choose(None) == k and cap.choose(2) == min(k, 2)
+
+
+def test_the_choice_uses_the_verify_cost_at_the_current_depth():
+    # Shallow: flat (draft the block); deep: linear (draft 1); in between, interpolated.
+    curves = Curves(
+        depths=[100, 1000],
+        verify=[[1.0] * 9, [float(K) for K in range(1, 10)]],
+        drafter=[0.0] * 9,
+    )
+    assert curves.verify_cost(3, 550) == pytest.approx(2.0)
+    assert curves.verify_cost(3, 5000) >= 3.0  # extrapolated, never below the deepest point
+    cap = CalibratedCap(CalibratedCapConfig(acceptance=0.8), curves=curves)
+    cap.begin(list(range(50)))
+    assert cap.choose(None) == 8
+    cap.begin(list(range(2000)))
+    assert cap.choose(None) == 1
+
+
+def test_a_noisy_dip_is_smoothed_out():
+    assert monotone_fit([1.0, 1.2, 1.1, 1.5]) == pytest.approx([1.0, 1.15, 1.15, 1.5])
+    dip = [1.0, 1.1, 1.2, 1.3, 0.5, 1.5]  # K = 5 "half the cost of one token": noise
+    curves = Curves(depths=[64], verify=[dip], drafter=[0.0] * 6)
+    costs = [curves.verify_cost(K, 64) for K in range(1, 7)]
+    assert costs == sorted(costs) and curves.verify[0] == dip  # decisions smoothed, data raw
+    # Without the fit, k = 4 would promise 1.9375 / 0.5 = 3.9x plain decoding.
+    assert best_plan(curves, 0.5, 64, 5).gain < 2.0
+
+
+def test_the_estimator_handles_truncated_runs():
+    """Rounds drafting 4 tokens with true per-position acceptance 0.7: counting fully accepted
+    rounds as censored recovers 0.7, where accepted/proposed would say ~0.5."""
+    rng = random.Random(0)
+    est = AcceptanceEstimator(prior=0.5, prior_weight=1.0, window=10_000)
+    naive = [0, 0]
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.7:
+            accepted += 1
+        est.update(4, accepted)
+        naive[0] += accepted
+        naive[1] += 4
+    assert est.p == pytest.approx(0.7, abs=0.03) and est.p_first == pytest.approx(0.7, abs=0.03)
+    assert naive[0] / naive[1] < 0.6
+
+
+# -- auto: off and back on ---------------------------------------------------------------------
+
+
+def test_auto_switches_drafting_off_and_comes_back():
+    curves = synthetic(lambda K: 1 + 0.05 * (K - 1))  # float32 on the CPU: nearly flat
+    cap = AutoCap(AutoCapConfig(probe_every=8, probe_k=2), curves=curves)
+    assert cap.choose(16) >= 4  # the prior (0.6) says draft
+    ks = []
+    for _ in range(60):  # a drafter that is never right
+        k = cap.choose(16)
+        cap.observe(k, 0, 0.01)
+        ks.append(k)
+    tail = ks[-24:]
+    assert tail.count(0) >= 20 and max(tail) <= 2  # off, but for short probes
+    assert cap.estimator.p_first < 0.1
+    ks = []
+    for _ in range(40):  # now every draft is accepted
+        k = cap.choose(16)
+        cap.observe(k, k, 0.01)
+        ks.append(k)
+    assert ks[-10:] == [16] * 10
+
+
+def test_auto_never_drafts_where_it_cannot_pay():
+    # Verify costs K times one token (4-bit on the MLX CPU): no k beats plain decoding.
+    cap = AutoCap(AutoCapConfig(probe_every=1000), curves=synthetic(lambda K: K))
+    assert [cap.choose(16) for _ in range(20)] == [0] * 20
+
+
+# -- end to end on the embedded model ----------------------------------------------------------
+
+PROMPTS = [
+    "Fix the typo in this sentence and repeat it: The quick brown fox jumsp over the lazy dog.",
+    "Write a Python function that checks whether a number is prime.",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(embedded):
+    from dspark_flow.api import greedy_generate
+
+    return [greedy_generate(*embedded, p, max_new_tokens=MAX_NEW).token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One calibration cache for the end-to-end tests: the draft cap's kind is not part of the
+    key, so `auto` reuses what `calibrated` measured."""
+    return tmp_path_factory.mktemp("calibration")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["calibrated", "auto"])
+def test_calibrated_and_auto_are_lossless(embedded, greedy_refs, shared_cache, kind):
+    from dspark_flow.pipeline import Pipeline
+
+    cap = {"kind": kind, **FAST, "depths": [32], "cache_dir": str(shared_cache)}
+    pipe = Pipeline.from_dict(
+        {"drafter": {"kind": "lookup", "max_draft": 8}, "draft_cap": cap}, target=embedded
+    ).warm_up()
+    assert len(list(shared_cache.iterdir())) == 1
+    for prompt, want in zip(PROMPTS, greedy_refs, strict=True):
+        assert pipe.generate(prompt, max_new_tokens=MAX_NEW).token_ids == want
+    chosen = pipe.draft_cap.chosen  # type: ignore[attr-defined]
+    assert sum(chosen.values()) > 0 and max(chosen) <= 8
+    assert pipe.draft_cap.depth > 20  # type: ignore[attr-defined]  # followed the generation
+
+
+@pytest.mark.slow
+def test_calibrate_api_gives_a_pipeline_draft_cap(embedded, greedy_refs, tmp_path):
+    import dspark_flow
+    from dspark_flow.pipeline import Pipeline
+
+    cap = dspark_flow.calibrate(embedded, cache_dir=str(tmp_path), max_k=6, **FAST)
+    assert cap.config.kind == "auto" and cap.curves.block == 6 and cap.cache_path.is_file()
+    pipe = Pipeline.from_dict({"drafter": {"kind": "lookup"}}, target=embedded, draft_cap=cap)
+    assert pipe.generate(PROMPTS[0], max_new_tokens=MAX_NEW).token_ids == greedy_refs[0]
+
+
+@pytest.mark.slow
+def test_cli_calibrate_and_max_draft(tmp_path, monkeypatch, capsys):
+    from dspark_flow.cli.main import main
+
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "lookup_auto.yaml")
+    args = ["calibrate", recipe, "--depths", "16", "--repeats", "1", "--set", "drafter.max_draft=3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "verify@16" in out and "[measured:" in out and len(list(tmp_path.iterdir())) == 1
+    assert main(args) == 0 and "[cached:" in capsys.readouterr().out
+    assert main(["run", recipe, "--prompt", "hi", "--max-draft", "seven"]) == 2
+    assert "--max-draft" in capsys.readouterr().err

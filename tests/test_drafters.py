@@ -1,0 +1,484 @@
+"""Trained drafters (`dspark`, `dflash`): both published checkpoint layouts load and are lossless,
+the MLX forward matches an independent numpy version of the upstream forward, the drafter's
+context holds exactly the committed rows, trained drafters are accepted (and the wrong slot
+convention is not), and bad pairs/checkpoints fail with clear errors.
+
+Most tests use small llama targets built with mlx-lm (tests/tiny.py's, with more layers); the
+embedded model is used where marked slow.
+"""
+
+from __future__ import annotations
+
+import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core, see models/backend.py)
+
+# isort: split
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from dspark_flow import api
+from dspark_flow.engine import decode as decode_module
+from dspark_flow.errors import ConfigError, ModelError
+from dspark_flow.models.drafter_backbone import ContextKV
+from dspark_flow.models.drafter_loading import resolve_drafter, resolve_target, target_key
+from dspark_flow.models.taps import install_taps
+from dspark_flow.pipeline import Pipeline
+from dspark_flow.strategies.samplers.greedy import GreedySampler
+from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler
+from tests import drafter_helpers as h
+from tests.tiny import VOCAB, tiny_args
+
+PROMPTS = [[1, 504, 2031, 77, 9000, 12, 31, 4000, 77, 12], [7, 8, 9, 10, 11, 12, 13]]
+CYCLE = [100, 110, 100, 120, 100, 130]  # the token after 100 depends on the one before it
+
+
+def llama_target(layers: int, vocab: int = VOCAB, seed: int = 0, scale: float = 4.0):
+    mx.random.seed(seed)
+    model = llama.Model(
+        llama.ModelArgs(**{**tiny_args(), "num_hidden_layers": layers, "vocab_size": vocab})
+    )
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * scale
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from mlx_lm.utils import load_tokenizer
+
+    from dspark_flow.models.loading import resolve_model_path
+
+    return load_tokenizer(resolve_model_path("builtin:smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def tiny4():
+    return llama_target(4)
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(tiny4, tok):
+    return [
+        api.greedy_generate(tiny4, tok, p, max_new_tokens=24, chat=False).token_ids for p in PROMPTS
+    ]
+
+
+def manual_features(target, ids: list[int], layer_ids: list[int]) -> np.ndarray:
+    """Tapped states by running the target's layers by hand (independent of the taps)."""
+    x = target.model.embed_tokens(mx.array(ids)[None])
+    mask = nn.MultiHeadAttention.create_additive_causal_mask(len(ids)).astype(x.dtype)
+    outs = {-1: x}
+    for i, layer in enumerate(target.model.layers):
+        x = layer(x, mask, cache=None)
+        outs[i] = x
+    return np.concatenate([np.array(outs[i][0]) for i in layer_ids], axis=-1).astype(np.float64)
+
+
+LAYOUTS = {
+    "dspark": ("dspark", h.deepspec_config(32, VOCAB, 4, [-1, 1, 2]), {}),
+    "dspark-markov-conf": (
+        "dspark",
+        h.deepspec_config(32, VOCAB, 4, [0, 2], markov_rank=8, confidence=True, conf_markov=True),
+        {"confidence_threshold": 0.5},
+    ),
+    "dspark-gated": (
+        "dspark",
+        h.deepspec_config(32, VOCAB, 4, [1, 3], markov_rank=8, markov_type="gated", layers=2),
+        {},
+    ),
+    "dspark-rnn": (
+        "dspark",
+        h.deepspec_config(32, VOCAB, 4, [1], markov_rank=8, markov_type="rnn"),
+        {},
+    ),
+    "dflash": ("dflash", h.zlab_config(32, VOCAB, 4, [0, 2]), {}),
+    "dflash-window": ("dflash", h.zlab_config(32, VOCAB, 4, [1, 2], window=6, layers=2), {}),
+    "dflash2": (
+        "dflash",
+        h.zlab_config(
+            32,
+            VOCAB,
+            4,
+            [0, 1, 3],
+            v2=True,
+            window=6,
+            output_multiplier=0.5,
+            final_logit_softcapping=20.0,
+        ),
+        {},
+    ),
+}
+
+
+def make_checkpoint(tmp_path: Path, name: str, seed: int = 0) -> tuple[str, Path, dict]:
+    kind, cfg, options = LAYOUTS[name]
+    return kind, h.write_checkpoint(tmp_path / name, cfg, h.random_tensors(cfg, seed)), options
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_layout_loads_and_is_lossless(tmp_path, tiny4, tok, greedy_refs, name):
+    kind, path, options = make_checkpoint(tmp_path, name)
+    drafter = api.load_drafter(str(path), tiny4, **options)
+    assert drafter.config.kind == kind  # the layout picked the kind
+    assert drafter.max_draft == drafter.spec.block_size - (1 if kind == "dflash" else 0)
+    for prompt, ref in zip(PROMPTS, greedy_refs, strict=True):
+        res = api.speculative_generate(
+            tiny4, tok, drafter, prompt, max_new_tokens=24, max_draft_tokens=None, chat=False
+        )
+        assert res.token_ids == ref
+        assert sum(res.accept_lengths) == res.num_tokens - 1
+
+
+def _propose_once(drafter, target, prompt, anchor, sampler=None, k=64):
+    drafter.begin(prompt, sampler or GreedySampler())
+    target(mx.array(prompt)[None])  # the prefill forward the loop would run
+    drafter.after_forward(len(prompt))
+    drafter.trace = []
+    return drafter.propose([*prompt, anchor], k)
+
+
+def test_dspark_matches_numpy_reference(tmp_path, tiny4):
+    cfg = h.deepspec_config(
+        32, VOCAB, 4, [-1, 1, 3], layers=2, markov_rank=8, confidence=True, conf_markov=True
+    )
+    path = h.write_checkpoint(tmp_path / "ds", cfg, h.random_tensors(cfg, seed=3))
+    drafter = api.load_drafter(str(path), tiny4, quantize=None, dtype="float32")
+    prompt, anchor = PROMPTS[0], 321
+    draft = _propose_once(drafter, tiny4, prompt, anchor)
+
+    w = h.stored_weights(path)
+    feats = manual_features(tiny4, prompt, cfg["target_layer_ids"])
+    block = np.array([anchor] + [h.MASK] * (cfg["block_size"] - 1))
+    hidden = h.reference_hidden(cfg, w, feats, block, w["embed_tokens.weight"])
+    ref_logits, ref_tokens, ref_confs = h.reference_dspark(cfg, w, hidden, anchor)
+    got_logits = np.stack([np.array(row) for row, _ in drafter.trace])
+    got_confs = [float(c.item()) for _, c in drafter.trace]
+    np.testing.assert_allclose(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_confs, ref_confs, rtol=1e-4, atol=1e-4)
+    assert draft.tokens == ref_tokens  # B slots give B drafts (no threshold)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_dflash_matches_numpy_reference(tmp_path, tiny4, v2):
+    extra = {"v2": True, "output_multiplier": 0.7} if v2 else {}
+    cfg = h.zlab_config(32, VOCAB, 4, [0, 1, 3], layers=2, window=7, block=8, **extra)
+    path = h.write_checkpoint(tmp_path / "df", cfg, h.random_tensors(cfg, seed=4))
+    drafter = api.load_drafter(str(path), tiny4, quantize=None, dtype="float32")
+    prompt, anchor = PROMPTS[0] + [5, 6, 7], 321  # longer than the window: old rows drop out
+    draft = _propose_once(drafter, tiny4, prompt, anchor)
+
+    w = h.stored_weights(path)
+    emb = np.array(tiny4.model.embed_tokens.weight).astype(np.float64)
+    feats = manual_features(tiny4, prompt, cfg["dflash_config"]["target_layer_ids"])
+    hidden = h.reference_hidden(cfg, w, feats, np.array([anchor] + [h.MASK] * 7), emb)[1:]
+    assert len(draft.tokens) == 7  # B - 1 drafts: slot 0 is the anchor
+    if not v2:
+        np.testing.assert_allclose(
+            np.stack([np.array(r) for r in drafter.trace]), hidden @ emb.T, rtol=1e-4, atol=1e-4
+        )
+        assert draft.tokens == list(np.argmax(hidden @ emb.T, axis=-1))
+        return
+    ref = h.reference_selector(cfg, w, hidden, emb, anchor)
+    for (cands, scores), (ref_cands, ref_scores, _) in zip(drafter.trace, ref, strict=True):
+        order = np.argsort(np.array(cands))
+        assert list(np.array(cands)[order]) == sorted(ref_cands)
+        np.testing.assert_allclose(
+            np.array(scores)[order], ref_scores[np.argsort(ref_cands)], rtol=1e-4, atol=1e-4
+        )
+    assert draft.tokens == [t for _, _, t in ref]
+
+
+def test_context_holds_exactly_the_committed_rows(tmp_path, tiny4, tok, monkeypatch):
+    """After prefill in chunks and rounds with rejections, the drafter's context keys/values
+    equal those computed from one teacher-forced pass over the committed tokens."""
+    monkeypatch.setattr(decode_module, "PREFILL_CHUNK", 8)
+    kind, path, _ = make_checkpoint(tmp_path, "dflash-window")
+    drafter = api.load_drafter(str(path), tiny4, quantize=None, dtype="float32")
+    prompt = PROMPTS[0] + PROMPTS[1] + [3, 4, 5, 6]  # 21 tokens: three prefill chunks
+    res = api.speculative_generate(
+        tiny4, tok, drafter, prompt, max_new_tokens=20, max_draft_tokens=5, chat=False
+    )
+    history = prompt + res.token_ids
+    drafter._sync_context(history)  # take the last round's rows
+    ref = ContextKV(len(drafter.model.layers))
+    feats = manual_features(tiny4, history[:-1], drafter.spec.target_layer_ids)
+    drafter.model.extend_context(ref, mx.array(feats[None].astype(np.float32)))
+    assert ref.end == drafter._state.end == len(history) - 1
+    for i in range(len(ref.keys)):
+        np.testing.assert_allclose(
+            np.array(drafter._state.keys[i]), np.array(ref.keys[i]), atol=1e-4
+        )
+        np.testing.assert_allclose(
+            np.array(drafter._state.values[i]), np.array(ref.values[i]), atol=1e-4
+        )
+
+
+# -- trained drafters ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cycle_target():
+    """A 2-layer llama (vocab 256) trained until its greedy output continues CYCLE."""
+    mx.random.seed(7)
+    target = llama.Model(
+        llama.ModelArgs(**{**tiny_args(), "num_hidden_layers": 2, "vocab_size": 256})
+    )
+    seq = mx.array(CYCLE * 16)
+
+    def loss_fn(m):
+        return nn.losses.cross_entropy(m(seq[None, :-1])[0], seq[1:], reduction="mean")
+
+    opt, step = optim.Adam(learning_rate=5e-3), nn.value_and_grad(target, loss_fn)
+    for _ in range(300):
+        _, grads = step(target)
+        opt.update(target, grads)
+        mx.eval(target.parameters(), opt.state)
+    return target
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_trained_drafter_is_accepted_and_the_wrong_slot_convention_is_not(
+    tmp_path, tok, cycle_target, kind
+):
+    target, seq = cycle_target, CYCLE * 12
+    if kind == "dspark":
+        cfg = h.deepspec_config(
+            32, 256, 2, [0, 1], block=4
+        )  # no Markov head: it would mask a slot error
+    else:
+        cfg = h.zlab_config(32, 256, 2, [0, 1], block=5)
+    init = h.random_tensors(cfg, seed=1)
+    if kind == "dspark":  # DeepSpec starts from the target's embedding and head
+        init["embed_tokens.weight"] = init["lm_head.weight"] = np.array(
+            target.model.embed_tokens.weight
+        )
+    drafter = api.load_drafter(
+        str(h.write_checkpoint(tmp_path / "init", cfg, init)),
+        target,
+        quantize=None,
+        dtype="float32",
+    )
+    taps = install_taps(target, [0, 1])
+    target(mx.array(seq)[None])
+    feats = taps.take([0, 1])
+    loss = h.train_block_drafter(drafter, feats, seq, steps=200)
+    assert loss < 0.5  # acceptance below is the real check
+    trained = tmp_path / "trained"
+    h.write_checkpoint(
+        trained, cfg, {k: np.array(v) for k, v in tree_flatten(drafter.model.parameters())}
+    )
+
+    prompt = CYCLE * 4
+    ref = api.greedy_generate(target, tok, prompt, max_new_tokens=36, chat=False)
+    assert ref.token_ids == (CYCLE * 12)[24:60]  # the target really continues the cycle
+    good = api.load_drafter(str(trained), target)  # default loading (quantize 4, auto dtype)
+    res = api.speculative_generate(
+        target, tok, good, prompt, max_new_tokens=36, max_draft_tokens=None, chat=False
+    )
+    assert res.token_ids == ref.token_ids
+    assert res.mean_accept_len > 3.0, res.accept_lengths
+
+    wrong = api.load_drafter(str(trained), target)
+    wrong.first_slot = 1 - wrong.first_slot  # read the block with the other family's convention
+    res_wrong = api.speculative_generate(
+        target, tok, wrong, prompt, max_new_tokens=36, max_draft_tokens=None, chat=False
+    )
+    assert res_wrong.token_ids == ref.token_ids  # still lossless...
+    assert res_wrong.mean_accept_len < 1.5 < res.mean_accept_len - 1.5  # ...but hardly accepted
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dspark-markov-conf", "dflash", "dflash2"])
+def test_sampled_drafts_carry_their_distribution(tmp_path, tiny4, tok, name):
+    _, path, _ = make_checkpoint(tmp_path, name)
+    drafter = api.load_drafter(str(path), tiny4)
+    sampler = SpeculativeSampler(SampleConfig(temperature=0.8, top_k=50, seed=1))
+    sampler.begin()
+    draft = _propose_once(drafter, tiny4, PROMPTS[0], 321, sampler=sampler, k=4)
+    assert len(draft.tokens) == 4 and draft.probs is not None and draft.probs.shape == (4, VOCAB)
+    q = np.array(draft.probs)
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+    assert all(q[i, t] > 0 for i, t in enumerate(draft.tokens))
+    runs = [
+        api.speculative_generate(
+            tiny4,
+            tok,
+            drafter,
+            PROMPTS[1],
+            max_new_tokens=16,
+            temperature=0.8,
+            top_k=50,
+            seed=5,
+            chat=False,
+        )
+        for _ in range(2)
+    ]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].num_tokens == 16
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def _edit(cfg, tensors, change):
+    cfg, tensors = json.loads(json.dumps(cfg)), dict(tensors)
+    change(cfg, tensors)
+    return cfg, tensors
+
+
+BAD = {
+    "hidden": (lambda c, t: None, ConfigError, ["hidden size", "64", "32"]),
+    "vocab": (lambda c, t: None, ConfigError, ["vocabulary", "1000", str(VOCAB)]),
+    "missing": (
+        lambda c, t: t.pop("layers.0.mlp.up_proj.weight"),
+        ModelError,
+        ["layers.0.mlp.up_proj.weight", "(64, 32)"],
+    ),
+    "misshaped": (
+        lambda c, t: t.__setitem__("fc.weight", np.zeros((32, 48), np.float32)),
+        ModelError,
+        ["fc.weight", "(32, 48)", "(32, 64)"],
+    ),
+    "unknown": (
+        lambda c, t: t.__setitem__("extra.weight", np.zeros((2,), np.float32)),
+        ModelError,
+        ["extra.weight"],
+    ),
+    "depth": (
+        lambda c, t: c.__setitem__("num_target_layers", 36),
+        ConfigError,
+        ["36 layers", "has 4"],
+    ),
+    "layer-range": (
+        lambda c, t: c.__setitem__("target_layer_ids", [0, 9]),
+        ConfigError,
+        ["9", "out of range"],
+    ),
+    "no-mask": (lambda c, t: c.pop("mask_token_id"), ModelError, ["mask_token_id"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoints_and_pairs_fail_clearly(tmp_path, tiny4, case):
+    change, error, words = BAD[case]
+    hidden = 64 if case == "hidden" else 32
+    vocab = 1000 if case == "vocab" else VOCAB
+    cfg = h.deepspec_config(hidden, vocab, 4, [0, 2])
+    cfg, tensors = _edit(cfg, h.random_tensors(cfg), change)
+    path = h.write_checkpoint(tmp_path / case, cfg, tensors)
+    with pytest.raises(error) as info:
+        api.load_drafter(str(path), tiny4, kind="dspark")
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_wrong_kind_for_the_layout_names_the_right_one(tmp_path, tiny4):
+    _, path, _ = make_checkpoint(tmp_path, "dspark")
+    with pytest.raises(ConfigError, match="use kind 'dspark'"):
+        api.load_drafter(str(path), tiny4, kind="dflash")
+    with pytest.raises(ModelError, match="not a DSpark/DFlash drafter"):
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain" / "config.json").write_text(
+            json.dumps({"architectures": ["LlamaForCausalLM"]})
+        )
+        api.load_drafter(str(tmp_path / "plain"), tiny4, kind="dspark")
+
+
+# -- the drafter table and the API ---------------------------------------------------------------
+
+
+def test_drafter_table_matches_any_quant_of_a_target():
+    assert target_key("mlx-community/Qwen3-8B-8bit") == target_key("Qwen/Qwen3-8B") == "qwen3-8b"
+    for ref in (
+        "mlx-community/Qwen3-8B-8bit",
+        "mlx-community/Qwen3-8B-4bit-DWQ",
+        "Qwen/Qwen3-8B-bf16",
+    ):
+        entry = resolve_drafter(ref)
+        assert (entry["drafter"], entry["kind"]) == ("deepseek-ai/dspark_qwen3_8b_block7", "dspark")
+    assert resolve_drafter("Qwen/Qwen3-8B", kind="dflash")["drafter"] == "z-lab/Qwen3-8B-DFlash-b16"
+    entry = resolve_drafter("mlx-community/Qwen3.8-27B-4bit")
+    assert (entry["drafter"], entry["kind"]) == ("z-lab/Qwen3.8-27B-DFlash2", "dflash")
+    assert (
+        resolve_target("z-lab/Qwen3.8-27B-DFlash2")["example_target"]
+        == "mlx-community/Qwen3.8-27B-4bit"
+    )
+    with pytest.raises(ConfigError, match="not published yet"):
+        resolve_drafter("builtin:smollm2-135m")
+    with pytest.raises(ConfigError, match="no trained drafter is known"):
+        resolve_drafter("someone/unknown-model-4bit")
+
+
+def test_api_load_pair_recipe_and_defaults(tmp_path, tiny4, tok, greedy_refs, monkeypatch):
+    _, path, _ = make_checkpoint(tmp_path, "dflash2")
+    monkeypatch.setattr(api, "load_target", lambda ref, revision=None, weights="auto": (tiny4, tok))
+    model, tok2, drafter, cfg = api.load_pair("some/target", str(path))
+    assert model is tiny4 and tok2 is tok and cfg.kind == "dflash" and cfg.quantize == 4
+    one = api.speculative_generate(model, tok, drafter, PROMPTS[0], max_new_tokens=24, chat=False)
+    full = api.dflash_generate(model, tok, drafter, PROMPTS[0], max_new_tokens=24, chat=False)
+    assert one.token_ids == full.token_ids == greedy_refs[0]
+    assert max(one.accept_lengths) <= 3  # default: 2 drafts a round
+    calls = []
+    monkeypatch.setattr(api, "load_pair", lambda *a, **k: calls.append((a, k)))
+    api.load_dflash_pair("z-lab/Qwen3.8-27B-DFlash2")
+    assert calls[0][0][:2] == ("mlx-community/Qwen3.8-27B-4bit", "z-lab/Qwen3.8-27B-DFlash2")
+
+    recipe = {
+        "drafter": {"kind": "dspark", "checkpoint": str(make_checkpoint(tmp_path, "dspark")[1])},
+        "draft_cap": {"kind": "full_block"},
+        "stop": [{"kind": "max_tokens", "limit": 24}],
+    }
+    res = Pipeline.from_dict(recipe, target=(tiny4, tok)).generate(PROMPTS[0])
+    assert res.token_ids == greedy_refs[0]
+
+
+@pytest.mark.slow
+def test_on_the_embedded_model(tmp_path, embedded):
+    """Both layouts on the real default target (30 layers, hidden 576), default 4-bit loading."""
+    model, tok = embedded
+    prompt = "Write the numbers from one to ten in words."
+    ref = api.greedy_generate(model, tok, prompt, max_new_tokens=12)
+    dspark = h.deepspec_config(
+        576,
+        49152,
+        30,
+        [1, 14, 27],
+        heads=4,
+        kv=2,
+        head_dim=64,
+        inter=256,
+        markov_rank=64,
+        confidence=True,
+        conf_markov=True,
+    )
+    dflash2 = h.zlab_config(
+        576,
+        49152,
+        30,
+        [2, 15, 26],
+        heads=4,
+        kv=2,
+        head_dim=64,
+        inter=256,
+        v2=True,
+        group=16,
+        rank=64,
+        top_k=8,
+        window=64,
+    )
+    for name, cfg in (("dspark", dspark), ("dflash2", dflash2)):
+        path = h.write_checkpoint(tmp_path / name, cfg, h.random_tensors(cfg))
+        drafter = api.load_drafter(str(path), model)
+        assert any(isinstance(m, nn.QuantizedLinear) for _, m in drafter.model.named_modules())
+        res = api.speculative_generate(
+            model, tok, drafter, prompt, max_new_tokens=12, max_draft_tokens=None
+        )
+        assert res.token_ids == ref.token_ids, name

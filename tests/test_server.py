@@ -1,0 +1,441 @@
+"""`dspark-flow serve` end to end: a live uvicorn server on a free loopback port, the embedded
+model with the lookup recipe, driven through the real `openai` and `anthropic` clients (and raw
+httpx for the bad requests a client library would refuse to send)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from dspark_flow.server.app import create_app
+from dspark_flow.server.config import ServerConfig, build_pipeline, server_overrides
+from dspark_flow.server.engine import Engine
+from dspark_flow.server.runner import BackgroundServer
+
+pytestmark = pytest.mark.slow
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "lookup.yaml"
+KEY = "test-key"
+MODEL = "lookup"  # the recipe's name
+BODY_LIMIT = 64 * 1024
+SHORT = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]  # ends by itself
+TALK = [{"role": "user", "content": "Tell me about the moon."}]
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
+    pipeline = build_pipeline(RECIPE, target=embedded)
+    engine = Engine(pipeline, warmup=True).start()
+    engine.wait_ready(timeout=300)
+    config = ServerConfig.for_recipe(pipeline.recipe, api_key=KEY, max_body_bytes=BODY_LIMIT)
+    with BackgroundServer(create_app(engine, config)) as running:
+        yield running
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def ext(obj) -> dict:
+    """The `dspark_flow` extension field of a client response object."""
+    extra = obj.model_extra or {}
+    assert "dspark_flow" in extra, "the response lacks the dspark_flow field"
+    return extra["dspark_flow"]
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+# -- plumbing ----------------------------------------------------------------------------------
+
+
+def test_health_and_models(server, oai):
+    h = health(server)
+    assert h["ready"] and h["model"] == MODEL and h["mode"] == "lookup"
+    assert h["cache"]["kind"] == "prefix" and h["target"] == "builtin:smollm2-135m"
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    assert oai.models.retrieve("builtin:smollm2-135m").id == MODEL  # the target ref is an alias
+
+
+def test_prefix_cache_is_the_default_unless_the_user_picks_one():
+    assert server_overrides([], 1024, None) == ["cache={kind: prefix, max_bytes: 1024}"]
+    assert server_overrides(["cache.kind=kv"], 1024, None) == ["cache.kind=kv"]
+
+
+def test_cli_help_does_not_import_the_server_stack():
+    code = (
+        "import sys; from dspark_flow.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'mlx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_cli_reports_a_taken_port_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "dspark_flow", "serve", str(RECIPE), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 2, run.stderr
+    assert (
+        run.stderr.startswith("error: cannot listen on 127.0.0.1:")
+        and "Traceback" not in run.stderr
+    )
+
+
+# -- OpenAI ------------------------------------------------------------------------------------
+
+
+def test_chat_non_streaming_and_streaming_agree(oai):
+    resp = oai.chat.completions.create(model=MODEL, messages=TALK, max_tokens=8, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+    figures = ext(resp)
+    assert figures["completion_tokens"] == 8 and figures["num_rounds"] >= 1
+    assert {"mean_accept_len", "decode_tokens_per_sec", "tokens_per_sec", "ttft_seconds"} <= set(
+        figures
+    )
+
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=TALK,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy, with the prompt now from the prefix cache
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert ext(finals[0])["completion_tokens"] == 8
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert ext(chunks[-1])["prefix_cached_tokens"] > 0
+
+
+def test_chat_ends_by_itself_with_stop(oai):
+    resp = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=24, temperature=0)
+    assert resp.choices[0].finish_reason == "stop"
+    assert 0 < resp.usage.completion_tokens < 24
+
+
+def test_target_ref_is_accepted_as_model(oai):
+    resp = oai.chat.completions.create(
+        model="builtin:smollm2-135m", messages=SHORT, max_completion_tokens=4, temperature=0
+    )
+    assert resp.usage.completion_tokens <= 4
+
+
+def test_completions(oai):
+    resp = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 6
+    stream = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == resp.choices[0].text
+    assert ext(chunks[-1])["completion_tokens"] == 6
+    ids = oai.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 3
+
+
+def test_stop_strings(oai):
+    full = oai.chat.completions.create(model=MODEL, messages=TALK, max_tokens=8, temperature=0)
+    text = full.choices[0].message.content
+    word = text.split()[2]  # a stop string from the middle of the known greedy output
+    cut = oai.chat.completions.create(
+        model=MODEL, messages=TALK, max_tokens=8, temperature=0, stop=["@@none@@", word]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(word)]
+
+
+def test_seeded_sampling_is_reproducible(oai):
+    kwargs = dict(model=MODEL, messages=TALK, max_tokens=6, temperature=0.9, seed=7)
+    a = oai.chat.completions.create(**kwargs, extra_body={"top_k": 40, "min_p": 0.05})
+    b = oai.chat.completions.create(**kwargs, extra_body={"top_k": 40, "min_p": 0.05})
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_two_turn_conversation_reuses_the_prefix(oai):
+    turn1 = [{"role": "user", "content": "Name a large animal that lives in the sea."}]
+    first = oai.chat.completions.create(model=MODEL, messages=turn1, max_tokens=10, temperature=0)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "How big does it get?"},
+    ]
+    second = oai.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, temperature=0)
+    reused = ext(second)["prefix_cached_tokens"]
+    assert reused >= first.usage.prompt_tokens  # at least the whole first prompt
+    assert second.usage.prompt_tokens_details.cached_tokens == reused
+    assert reused < second.usage.prompt_tokens
+
+
+# -- Anthropic ---------------------------------------------------------------------------------
+
+
+def test_messages_non_streaming(claude):
+    msg = claude.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        messages=TALK,
+        system="You are terse.",
+        extra_body={"temperature": 0},
+    )
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 8
+    assert msg.content[0].type == "text" and msg.content[0].text
+    counted = claude.messages.count_tokens(model=MODEL, messages=TALK, system="You are terse.")
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    assert ext(msg)["completion_tokens"] == 8
+
+    ended = claude.messages.create(model=MODEL, max_tokens=24, messages=SHORT)
+    assert ended.stop_reason == "end_turn" and ended.stop_sequence is None
+
+
+def test_messages_streaming_and_stop_sequence(server, claude):
+    system = [{"type": "text", "text": "You are terse."}]
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=TALK, system=system) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert "".join(pieces) == final.content[0].text and pieces
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
+
+    word = final.content[0].text.split()[2]
+    blocks = [{"role": "user", "content": [{"type": "text", "text": TALK[0]["content"]}]}]
+    with claude.messages.stream(
+        model=MODEL, max_tokens=8, messages=blocks, system=system, stop_sequences=[word]
+    ) as s:
+        cut = s.get_final_message()
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == word
+    assert cut.content[0].text == final.content[0].text[: final.content[0].text.index(word)]
+
+    raw = httpx.post(  # the event sequence itself
+        f"{server.url}/v1/messages",
+        headers={"x-api-key": KEY},
+        json={"model": MODEL, "max_tokens": 3, "messages": SHORT, "stream": True},
+        timeout=60,
+    )
+    events = [line[7:] for line in raw.text.splitlines() if line.startswith("event: ")]
+    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(events[3:-3]) <= {"content_block_delta"}
+    assert '"dspark_flow"' in raw.text.split("event: message_delta")[1]
+
+
+# -- bad requests ------------------------------------------------------------------------------
+
+GOOD_CHAT = {"model": MODEL, "messages": SHORT, "max_tokens": 2}
+GOOD_MSG = {"model": MODEL, "messages": SHORT, "max_tokens": 2}
+BEARER = {"Authorization": f"Bearer {KEY}"}
+XKEY = {"x-api-key": KEY}
+
+OPENAI_CASES = [
+    ("invalid json", "/v1/chat/completions", BEARER, b"{not json", 400, None),
+    ("not an object", "/v1/chat/completions", BEARER, b"[1, 2]", 400, None),
+    ("missing messages", "/v1/chat/completions", BEARER, {"model": MODEL}, 400, "messages"),
+    ("missing model", "/v1/chat/completions", BEARER, {"messages": SHORT}, 400, "model"),
+    (
+        "wrong type",
+        "/v1/chat/completions",
+        BEARER,
+        {**GOOD_CHAT, "max_tokens": "2"},
+        400,
+        "max_tokens",
+    ),
+    (
+        "negative max",
+        "/v1/chat/completions",
+        BEARER,
+        {**GOOD_CHAT, "max_tokens": -1},
+        400,
+        "max_tokens",
+    ),
+    (
+        "zero max",
+        "/v1/completions",
+        BEARER,
+        {"model": MODEL, "prompt": "a", "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    ("n > 1", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "n": 2}, 400, "n"),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        BEARER,
+        {**GOOD_CHAT, "messages": [{"role": "x", "content": "a"}]},
+        400,
+        "messages[0].role",
+    ),
+    ("empty stop", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "stop": [""]}, 400, "stop"),
+    ("bad top_p", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "top_p": 0}, 400, "top_p"),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        BEARER,
+        {**GOOD_CHAT, "model": "gpt-9"},
+        404,
+        "model",
+    ),
+    ("wrong key", "/v1/chat/completions", {"Authorization": "Bearer nope"}, GOOD_CHAT, 401, None),
+    ("no key", "/v1/chat/completions", {}, GOOD_CHAT, 401, None),
+    ("oversize", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "pad": "x" * BODY_LIMIT}, 413, None),
+    ("no route", "/v1/nothing", BEARER, GOOD_CHAT, 404, None),
+]
+
+ANTHROPIC_CASES = [
+    ("invalid json", XKEY, b"{", 400, "invalid_request_error"),
+    ("missing max_tokens", XKEY, {"model": MODEL, "messages": SHORT}, 400, "invalid_request_error"),
+    ("negative max", XKEY, {**GOOD_MSG, "max_tokens": -5}, 400, "invalid_request_error"),
+    (
+        "wrong content",
+        XKEY,
+        {**GOOD_MSG, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "invalid_request_error",
+    ),
+    (
+        "image block",
+        XKEY,
+        {**GOOD_MSG, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+        400,
+        "invalid_request_error",
+    ),
+    ("unknown model", XKEY, {**GOOD_MSG, "model": "claude-x"}, 404, "not_found_error"),
+    ("wrong key", {"x-api-key": "nope"}, GOOD_MSG, 401, "authentication_error"),
+    ("oversize", XKEY, {**GOOD_MSG, "pad": "x" * BODY_LIMIT}, 413, "request_too_large"),
+]
+
+
+def _post(server, path: str, headers: dict, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, headers=headers, content=body, timeout=30)
+    return httpx.post(server.url + path, headers=headers, json=body, timeout=30)
+
+
+@pytest.mark.parametrize(("name", "path", "headers", "body", "status", "param"), OPENAI_CASES)
+def test_openai_bad_requests(server, name, path, headers, body, status, param):
+    r = _post(server, path, headers, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize(("name", "headers", "body", "status", "kind"), ANTHROPIC_CASES)
+def test_anthropic_bad_requests(server, name, headers, body, status, kind):
+    r = _post(server, "/v1/messages", headers, body)
+    assert r.status_code == status, r.text
+    data = r.json()
+    assert data["type"] == "error" and data["error"]["type"] == kind and data["error"]["message"]
+
+
+def test_client_library_sees_typed_errors(oai, claude):
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=SHORT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=-3)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(
+            base_url=str(claude.base_url), api_key="bad", max_retries=0
+        ).messages.create(model=MODEL, max_tokens=2, messages=SHORT)
+
+
+# -- concurrency and cancellation --------------------------------------------------------------
+
+
+def test_still_serving_after_bad_requests(oai):
+    resp = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=3, temperature=0)
+    assert resp.usage.completion_tokens <= 3
+
+
+def test_requests_are_served_one_at_a_time_in_arrival_order(server, oai):
+    done: list[int] = []
+    waited: list[float] = []
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            resp = oai.chat.completions.create(
+                model=MODEL, messages=TALK, max_tokens=8, temperature=0
+            )
+            done.append(i)
+            waited.append(ext(resp)["queue_seconds"])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = []
+    for i in range(3):
+        threads.append(threading.Thread(target=ask, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.3)  # arrival order 0, 1, 2; each generation takes longer than this
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and done == [0, 1, 2]
+    assert max(waited) > 0.05  # a later request queued behind an earlier one
+
+
+def _assert_next_request_is_prompt(server, oai, cancelled_before: int) -> None:
+    started = time.perf_counter()
+    resp = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=3, temperature=0)
+    took = time.perf_counter() - started
+    assert resp.usage.completion_tokens <= 3
+    # The abandoned generation would have needed 300 tokens (tens of seconds here).
+    assert took < 20, f"the next request waited {took:.1f}s"
+    deadline = time.monotonic() + 5
+    while health(server)["queue"]["cancelled"] <= cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health(server)["queue"]["cancelled"] > cancelled_before
+
+
+def test_streaming_disconnect_cancels_the_generation(server, oai):
+    before = health(server)["queue"]["cancelled"]
+    body = {"model": MODEL, "messages": TALK, "max_tokens": 300, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, headers=BEARER, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if '"content"' in line and '"content": ""' not in line:
+                break  # some text arrived: now hang up
+    _assert_next_request_is_prompt(server, oai, before)
+
+
+def test_non_streaming_disconnect_cancels_the_generation(server, oai):
+    before = health(server)["queue"]["cancelled"]
+    body = {"model": MODEL, "messages": TALK, "max_tokens": 300}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=BEARER, timeout=1.5)
+    _assert_next_request_is_prompt(server, oai, before)
