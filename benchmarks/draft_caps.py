@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds for the trials; no trial starts that would likely end past it",
     )
     p.add_argument("--quick", action="store_true", help="1 prompt per category, k in 1,4, 1 trial")
+    p.add_argument("--recalibrate", action="store_true", help="measure the curves even if cached")
     args = p.parse_args(argv)
     if args.quick:
         args.per_category, args.ks, args.trials = 1, "1,4", 1
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         LookupDrafter(LookupConfig(**LOOKUP)),
         tokenizer=tok,
         target_ref=target_ref,
+        force=args.recalibrate,
     )
     calib_s = time.perf_counter() - t0
     print(f"curves {'measured' if measured else 'cached'} in {calib_s:.1f}s: {cache_path}")

@@ -30,41 +30,13 @@ stage() {
   ../shared/device/stage.sh --wheels "$model"
 }
 
-# The project is not pip-installed there (offline, and its setuptools may be too old to build
-# it), so lay out what an editable install would: dspark_flow with strategies/ and kernels/
-# mounted inside it, and a dist-info whose entry points register the built-in strategies.
-install_here() {
-  local root=${DF_SITE:-/root/dspark-flow-site}
-  rm -rf "$root" && mkdir -p "$root/dspark_flow"
-  for entry in dspark_flow/*; do ln -s "$PWD/$entry" "$root/dspark_flow/"; done
-  ln -s "$PWD/strategies" "$root/dspark_flow/strategies"
-  [ -d kernels ] && ln -s "$PWD/kernels" "$root/dspark_flow/kernels"
-  python3 - "$root" <<'PY'
-import sys, tomllib
-from pathlib import Path
-root = Path(sys.argv[1])
-project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
-info = root / f"dspark_flow-{project['version']}.dist-info"
-info.mkdir()
-(info / "METADATA").write_text(
-    f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
-)
-lines = ["[dspark_flow.strategies]"]
-for name, target in project["entry-points"]["dspark_flow.strategies"].items():
-    lines.append(f"{name} = {target}")
-(info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-PY
-  export PYTHONPATH="/root/env/site:$root"
-}
+# install_here and the model setup live in device_env.sh, shared with the other device scripts.
+source "$(dirname "$0")/device_env.sh"
 
 run() {
   : "${OUT:?OUT must name the folder whose files come back}"
   install_here
-  # The staged model directory, where the built-in resolver looks (no download, no conversion).
-  export DSPARK_FLOW_HOME=${DSPARK_FLOW_HOME_THERE:-/root/dspark-flow-home}
-  mkdir -p "$DSPARK_FLOW_HOME/models"
-  ln -sfn "${STAGED_MODEL:-/root/env/smollm2-135m}" "$DSPARK_FLOW_HOME/models/smollm2-135m"
-
+  model_here
   cat > "$OUT/lookup-bf16.yaml" <<'YAML'
 version: 1
 name: lookup-bf16

@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 
 from dspark_flow.calibration import curves as curves_mod
-from dspark_flow.calibration.controller import (
-    AcceptanceEstimator,
-    best_plan,
-    expected_tokens,
-)
+from dspark_flow.calibration.controller import best_plan, expected_tokens, plan_table
 from dspark_flow.calibration.curves import Curves, monotone_fit
+from dspark_flow.calibration.estimators import AcceptanceEstimator, LengthEstimator
 from dspark_flow.calibration.obtain import obtain_curves
 from dspark_flow.calibration.store import ENV_DIR, VERSION, CurveStore, calibration_dir
 from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
@@ -223,6 +220,38 @@ def test_the_estimator_handles_truncated_runs():
     assert naive[0] / naive[1] < 0.6
 
 
+def test_the_length_estimator_handles_capped_rounds():
+    """A lookup-like drafter: no match half the time, else a copy of 3 or of 12 tokens. Rounds
+    capped below the natural length only say L >= cap; the product-limit estimate still finds
+    P(L >= n)."""
+    rng = random.Random(1)
+    est = LengthEstimator(block=16, window=100_000)
+    for _ in range(4000):
+        natural = 0 if rng.random() < 0.5 else (3 if rng.random() < 0.6 else 12)
+        cap = rng.randint(1, 16)
+        est.update(cap, min(natural, cap))
+    s = est.survival()
+    assert s[0] == 1.0 and len(s) == 18
+    assert s[1] == pytest.approx(0.5, abs=0.03) and s[3] == pytest.approx(0.5, abs=0.03)
+    assert s[4] == pytest.approx(0.2, abs=0.03) and s[12] == pytest.approx(0.2, abs=0.03)
+    assert s[13] < 0.01
+    assert LengthEstimator(block=4).survival() == [1.0] * 6  # no evidence: fills the cap
+
+
+def test_the_plan_averages_over_the_drafter_s_natural_length():
+    curves = synthetic(lambda K: 1 + 0.1 * (K - 1))
+    table = plan_table(curves, 0.8, 64, 16)
+    assert table[3].tokens == pytest.approx(expected_tokens(0.8, 3))  # no survival: fills k
+    assert table[3].seconds == pytest.approx(1.3)
+    # Never more than 3 tokens: any cap >= 3 drafts the same, so the shortest such cap wins.
+    never_past_3 = [1.0, 0.5, 0.5, 0.5] + [0.0] * 14
+    assert best_plan(curves, 0.8, 64, 16, survival=never_past_3).k == 3
+    table = plan_table(curves, 0.8, 64, 16, survival=never_past_3)
+    # Half the rounds draft nothing (1 token, cost 1), half draft 3.
+    assert table[8].tokens == pytest.approx(0.5 * 1 + 0.5 * expected_tokens(0.8, 3))
+    assert table[8].seconds == pytest.approx(0.5 * 1.0 + 0.5 * 1.3)
+
+
 # -- auto: off and back on ---------------------------------------------------------------------
 
 
@@ -244,6 +273,19 @@ def test_auto_switches_drafting_off_and_comes_back():
         cap.observe(k, k, 0.01)
         ks.append(k)
     assert ks[-10:] == [16] * 10
+
+
+def test_a_new_request_keeps_the_estimate_but_adapts_fast():
+    curves = synthetic(lambda K: 1 + 0.05 * (K - 1))
+    cap = AutoCap(AutoCapConfig(carry_weight=4.0), curves=curves)
+    for _ in range(50):  # a request where drafts always fail
+        cap.observe(4, 0, 0.01)
+    cap.begin([1] * 10)
+    first = cap.estimator.first
+    assert first.successes + first.failures == pytest.approx(4.0)
+    assert cap.choose(16) == 0  # still off: the carried estimate says the drafter misses
+    cap.observe(16, 16, 0.01)  # one long copy accepted in the new request...
+    assert cap.choose(16) > 0  # ...is enough to draft again
 
 
 def test_auto_never_drafts_where_it_cannot_pay():

@@ -13,14 +13,9 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
-from dspark_flow.calibration.controller import (
-    AcceptanceEstimator,
-    Plan,
-    best_plan,
-    expected_tokens,
-    plan_table,
-)
+from dspark_flow.calibration.controller import Plan, best_plan, expected_tokens, plan_table
 from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves
+from dspark_flow.calibration.estimators import AcceptanceEstimator, LengthEstimator
 from dspark_flow.calibration.obtain import drafter_block, obtain_curves
 from dspark_flow.calibration.store import ENV_DIR, CurveStore, calibration_dir
 from dspark_flow.errors import ConfigError
@@ -35,6 +30,7 @@ __all__ = [
     "AcceptanceEstimator",
     "CurveStore",
     "Curves",
+    "LengthEstimator",
     "Plan",
     "best_plan",
     "calibrate",

@@ -4,8 +4,9 @@ With per-position acceptance p, a round that drafts k tokens commits on average
 E(p, k) = 1 + p + p^2 + ... + p^k tokens (the accepted prefix plus the target's own token) and
 costs verify(K = k + 1, depth) + drafter(k) seconds; plain decoding commits 1 token per
 verify(1, depth). The best k maximises E / cost; its ratio to plain decoding is the gain.
-(`auto` learns the first position's acceptance apart from the later ones': see
-`AcceptanceEstimator`.)
+`auto` refines this with what it learns per round (`estimators.py`): the first position's
+acceptance apart from the later ones', and how many tokens the drafter actually proposes when
+allowed k (a lookup drafter often proposes fewer, or none), so a cap costs only what is drafted.
 
 `CurveCap` is the DraftCap both `calibrated` (fixed prior p) and `auto` (p learnt per round,
 speculation off when the gain drops below 1, periodic probes to come back) are built on.
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves
+from dspark_flow.calibration.estimators import AcceptanceEstimator, LengthEstimator
 from dspark_flow.log import get_logger
 from dspark_flow.strategy import BuildContext, DraftCap, StrategyConfig
 
@@ -57,88 +59,53 @@ class Plan:
 
 
 def plan_table(
-    curves: Curves, p: float, depth: float, max_k: int, p_first: float | None = None
+    curves: Curves,
+    p: float,
+    depth: float,
+    max_k: int,
+    p_first: float | None = None,
+    survival: list[float] | None = None,
 ) -> list[Plan]:
-    """One Plan per k = 0..max_k (k = 0 is plain decoding)."""
-    plain = curves.verify_cost(1, depth)
+    """One Plan per k = 0..max_k (k = 0 is plain decoding).
+
+    `survival[n]` = P(the drafter proposes >= n tokens when allowed more): with it, a cap of k
+    drafts min(L, k) tokens for the drafter's natural length L, and the plan averages tokens
+    and time over L. Without it the drafter always fills k.
+    """
+    max_k = max(0, max_k)
+    verify = [curves.verify_cost(n + 1, depth) for n in range(max_k + 1)]  # n drafted tokens
+    tokens_at = [expected_tokens(p, n, p_first) for n in range(max_k + 1)]
+    plain = verify[0]
     out: list[Plan] = []
-    for k in range(0, max(0, max_k) + 1):
-        seconds = curves.verify_cost(k + 1, depth) + curves.drafter_cost(k)
-        tokens = expected_tokens(p, k, p_first)
+    short_tokens = short_seconds = 0.0  # sum over L < k of P(L) * (tokens, seconds)
+    for k in range(max_k + 1):
+        tail = 1.0 if survival is None else survival[min(k, len(survival) - 1)]  # P(L >= k)
+        tokens = short_tokens + tail * tokens_at[k]
+        seconds = short_seconds + tail * verify[k] + curves.drafter_cost(k)
         gain = (tokens / seconds) * plain if seconds > 0 else float("inf")
         out.append(Plan(k=k, tokens=tokens, seconds=seconds, gain=gain))
+        if survival is not None:
+            exactly = tail - survival[min(k + 1, len(survival) - 1)]  # P(L = k)
+            short_tokens += exactly * tokens_at[k]
+            short_seconds += exactly * verify[k]
     return out
 
 
 def best_plan(
-    curves: Curves, p: float, depth: float, max_k: int, p_first: float | None = None
+    curves: Curves,
+    p: float,
+    depth: float,
+    max_k: int,
+    p_first: float | None = None,
+    survival: list[float] | None = None,
 ) -> Plan:
     """The k >= 1 (when max_k >= 1) with the highest expected tokens per second."""
-    table = plan_table(curves, p, depth, max_k, p_first)
+    table = plan_table(curves, p, depth, max_k, p_first, survival)
     best = table[1] if len(table) > 1 else table[0]
     for plan in table[2:]:
         if plan.gain > best.gain * (1.0 + TOLERANCE):
             best = plan
     return best
-
-
-class _Rate:
-    """A success rate from exponentially decaying counts, started from `weight` pseudo-trials
-    at `prior` that decay like real evidence (so a drafter that never hits drives it to 0)."""
-
-    def __init__(self, prior: float, weight: float, decay: float):
-        self.prior, self.decay = prior, decay
-        self.successes = prior * weight
-        self.failures = (1.0 - prior) * weight
-
-    @property
-    def value(self) -> float:
-        total = self.successes + self.failures
-        return self.successes / total if total > 0 else self.prior
-
-    def add(self, successes: float, failures: float) -> None:
-        self.successes = self.decay * self.successes + successes
-        self.failures = self.decay * self.failures + failures
-
-
-class AcceptanceEstimator:
-    """Acceptance of drafted positions, learnt from each round's (proposed, accepted).
-
-    Model: the first drafted position is accepted with p_first, each later one (given the one
-    before was) with p, and the round stops at the first rejection, so `accepted` is a
-    truncated geometric count. A round with accepted < proposed shows its accepted positions
-    as successes and one failure; a fully accepted round shows successes only (the run was cut
-    by the draft length, not by a rejection: counting it as a failure would bias p down). The
-    maximum-likelihood rate is successes / (successes + failures) for each of the two.
-
-    Two rates, not one, because drafters like lookup are all-or-nothing: a copy either matches
-    from its first token on or not at all, and a single p would average the two into a
-    mediocre value that overrates short drafts and underrates long ones. With a geometric
-    drafter the two agree. Counts decay by (1 - 1/window) per informative round, so old
-    evidence fades; they start as `prior_weight` pseudo-trials at the prior, which fade alike.
-    """
-
-    def __init__(self, prior: float = 0.6, prior_weight: float = 2.0, window: float = 16.0):
-        decay = 1.0 - 1.0 / max(window, 1.0)
-        self.first = _Rate(prior, prior_weight, decay)
-        self.next = _Rate(prior, prior_weight, decay)
-
-    @property
-    def p_first(self) -> float:
-        return self.first.value
-
-    @property
-    def p(self) -> float:
-        """Acceptance of a position after an accepted one."""
-        return self.next.value
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if proposed <= 0:  # nothing drafted: no evidence about acceptance
-            return
-        accepted = max(0, min(accepted, proposed))
-        self.first.add(1.0 if accepted else 0.0, 0.0 if accepted else 1.0)
-        if accepted and proposed > 1:  # positions 2..proposed were only reached if the first was
-            self.next.add(accepted - 1.0, 1.0 if accepted < proposed else 0.0)
 
 
 # -- the draft cap -----------------------------------------------------------------------------
@@ -164,6 +131,11 @@ class CurveCapConfig(StrategyConfig):
 
 class AdaptiveCapConfig(CurveCapConfig):
     window: float = Field(16.0, ge=1, description="rounds of memory of the acceptance estimate")
+    carry_weight: float = Field(
+        4.0,
+        gt=0,
+        description="at a new request, what was learnt weighs at most this many rounds",
+    )
     prior_weight: float = Field(2.0, gt=0, description="pseudo-positions behind the prior p")
     min_gain: float = Field(
         1.0, gt=0, description="draft only when expected speed over plain decoding exceeds this"
@@ -195,6 +167,8 @@ class CurveCap(DraftCap):
         self.chosen: Counter[int] = Counter()  # k per round, for reports
         self._off_rounds = 0
         self._plans: dict[tuple[float, float, int, int], Plan] = {}
+        self._lengths: LengthEstimator | None = None  # made once the block is known
+        self._last_k = 0
         cfg = self.config
         self.estimator = AcceptanceEstimator(
             prior=cfg.acceptance,
@@ -252,9 +226,15 @@ class CurveCap(DraftCap):
     # -- the contract ------------------------------------------------------------------------
 
     def begin(self, prompt_ids: list[int]) -> None:
-        """A generation starts after these prompt tokens. The acceptance estimate is kept: a
-        drafter's hit rate carries over between requests better than the prior does."""
+        """A generation starts after these prompt tokens. The acceptance estimate carries over
+        (a drafter's hit rate says more than the prior) but with little weight: prompts differ."""
         self.depth = len(prompt_ids)
+        self._off_rounds = 0
+        if self.adaptive:
+            carry = getattr(self.config, "carry_weight", 4.0)
+            self.estimator.new_request(carry)
+            if (lengths := self.lengths) is not None:
+                lengths.new_request(carry)
 
     def limit(self, drafter_max: int | None) -> int:
         bounds = [b for b in (drafter_max, self.config.max_k) if b is not None]
@@ -268,11 +248,22 @@ class CurveCap(DraftCap):
             return self.estimator.p_first, self.estimator.p
         return self.config.acceptance, self.config.acceptance
 
+    @property
+    def lengths(self) -> LengthEstimator | None:
+        """What `auto` learnt about how many tokens the drafter proposes (None otherwise)."""
+        if self._lengths is None and self.adaptive and self.curves is not None:
+            self._lengths = LengthEstimator(
+                self.curves.block, getattr(self.config, "window", 16.0) * 2
+            )
+        return self._lengths
+
     def plan(self, drafter_max: int | None = None) -> Plan | None:
         if self.curves is None:
             return None
         p_first, p = self.acceptance()
         limit = self.limit(drafter_max)
+        if (lengths := self.lengths) is not None:
+            return best_plan(self.curves, p, self.depth, limit, p_first, lengths.survival())
         # Rounds repeat the same situation often; the table costs ~k interpolations.
         key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit)
         if (found := self._plans.get(key)) is None:
@@ -282,7 +273,7 @@ class CurveCap(DraftCap):
         return found
 
     def choose(self, drafter_max: int | None) -> int:
-        k = self._choose(drafter_max)
+        k = self._last_k = self._choose(drafter_max)
         self.chosen[k] += 1
         return k
 
@@ -328,6 +319,8 @@ class CurveCap(DraftCap):
         self.depth += accepted + 1
         if self.adaptive:
             self.estimator.update(proposed, accepted)
+            if (lengths := self.lengths) is not None:
+                lengths.update(self._last_k, proposed)
 
 
 def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:

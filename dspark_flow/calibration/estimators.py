@@ -1,0 +1,127 @@
+"""What `auto` learns from each round's (proposed, accepted): how often drafted positions are
+accepted, and how many tokens the drafter proposes when allowed k.
+
+Both use exponentially decaying counts (old evidence fades, memory ~`window` rounds) and, at a
+new request, keep what was learnt at a small weight (`carry_weight` rounds), since prompts
+differ in how well a drafter does on them.
+"""
+
+from __future__ import annotations
+
+
+class _Rate:
+    """A success rate from exponentially decaying counts, started from `weight` pseudo-trials
+    at `prior` that decay like real evidence (so a drafter that never hits drives it to 0)."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.prior, self.decay = prior, decay
+        self.successes = prior * weight
+        self.failures = (1.0 - prior) * weight
+
+    @property
+    def value(self) -> float:
+        total = self.successes + self.failures
+        return self.successes / total if total > 0 else self.prior
+
+    def add(self, successes: float, failures: float) -> None:
+        self.successes = self.decay * self.successes + successes
+        self.failures = self.decay * self.failures + failures
+
+    def cap_weight(self, weight: float) -> None:
+        """Keep the rate but let it weigh at most `weight` trials."""
+        total = self.successes + self.failures
+        if total > weight > 0:
+            self.successes *= weight / total
+            self.failures *= weight / total
+
+
+class AcceptanceEstimator:
+    """Acceptance of drafted positions, learnt from each round's (proposed, accepted).
+
+    Model: the first drafted position is accepted with p_first, each later one (given the one
+    before was) with p, and the round stops at the first rejection, so `accepted` is a
+    truncated geometric count. A round with accepted < proposed shows its accepted positions
+    as successes and one failure; a fully accepted round shows successes only (the run was cut
+    by the draft length, not by a rejection: counting it as a failure would bias p down). The
+    maximum-likelihood rate is successes / (successes + failures) for each of the two.
+
+    Two rates, not one, because drafters like lookup are all-or-nothing: a copy either matches
+    from its first token on or not at all, and a single p would average the two into a
+    mediocre value that overrates short drafts and underrates long ones. With a geometric
+    drafter the two agree. Counts decay by (1 - 1/window) per informative round, so old
+    evidence fades; they start as `prior_weight` pseudo-trials at the prior, which fade alike.
+    """
+
+    def __init__(self, prior: float = 0.6, prior_weight: float = 2.0, window: float = 16.0):
+        decay = 1.0 - 1.0 / max(window, 1.0)
+        self.first = _Rate(prior, prior_weight, decay)
+        self.next = _Rate(prior, prior_weight, decay)
+
+    @property
+    def p_first(self) -> float:
+        return self.first.value
+
+    @property
+    def p(self) -> float:
+        """Acceptance of a position after an accepted one."""
+        return self.next.value
+
+    def new_request(self, carry_weight: float) -> None:
+        """A new prompt may suit the drafter better or worse: keep what was learnt as the new
+        prior, but worth only `carry_weight` trials, so this request's rounds soon dominate."""
+        self.first.cap_weight(carry_weight)
+        self.next.cap_weight(carry_weight)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:  # nothing drafted: no evidence about acceptance
+            return
+        accepted = max(0, min(accepted, proposed))
+        self.first.add(1.0 if accepted else 0.0, 0.0 if accepted else 1.0)
+        if accepted and proposed > 1:  # positions 2..proposed were only reached if the first was
+            self.next.add(accepted - 1.0, 1.0 if accepted < proposed else 0.0)
+
+
+class LengthEstimator:
+    """How many tokens the drafter proposes when k allows more: P(L >= n) for its natural
+    length L (lookup proposes nothing without a match and stops where the copied run ends;
+    a draft model always fills k).
+
+    A round capped at k that proposed n < k observed L = n; one that proposed k only L >= k
+    (censored). The survival S(n) = P(L >= n) is the product-limit (Kaplan-Meier) estimate over
+    decaying counts; with no evidence S = 1 (the drafter fills whatever k allows).
+    """
+
+    def __init__(self, block: int, window: float = 32.0):
+        self.block = block
+        self.decay = 1.0 - 1.0 / max(window, 1.0)
+        self.events = [0.0] * (block + 1)  # events[n]: rounds that proposed exactly n < cap
+        self.censored = [0.0] * (block + 1)  # censored[c]: rounds cut at their cap c
+
+    def update(self, cap: int, proposed: int) -> None:
+        if cap <= 0:  # nothing was asked for: nothing learnt
+            return
+        cap, proposed = min(cap, self.block), max(0, min(proposed, cap, self.block))
+        self.events = [self.decay * e for e in self.events]
+        self.censored = [self.decay * c for c in self.censored]
+        if proposed < cap:
+            self.events[proposed] += 1.0
+        else:
+            self.censored[cap] += 1.0
+
+    def new_request(self, carry_weight: float) -> None:
+        total = sum(self.events) + sum(self.censored)
+        if total > carry_weight > 0:
+            self.events = [e * carry_weight / total for e in self.events]
+            self.censored = [c * carry_weight / total for c in self.censored]
+
+    def survival(self) -> list[float]:
+        """S(n) = P(L >= n) for n = 0..block + 1 (S(0) = 1)."""
+        out = [1.0]
+        at_risk = sum(self.events) + sum(self.censored)
+        for n in range(self.block + 1):
+            # Rounds censored at c > n are known to have L > n; censored at n say nothing here.
+            at_risk -= self.censored[n]
+            hazard = self.events[n] / at_risk if at_risk > 1e-12 else 0.0
+            out.append(out[-1] * (1.0 - min(1.0, hazard)))
+            at_risk -= self.events[n]
+        return out
