@@ -141,7 +141,7 @@ class AdaptiveCapConfig(CurveCapConfig):
         1.0, gt=0, description="draft only when expected speed over plain decoding exceeds this"
     )
     probe_every: int = Field(
-        16, ge=1, description="while off, draft at most once every this many rounds"
+        4, ge=1, description="while off, draft at most once every this many rounds"
     )
     probe_k: int = Field(2, ge=1, description="draft length of a probe round")
     probe_cost: float = Field(
@@ -308,9 +308,13 @@ class CurveCap(DraftCap):
         if perfect.gain < getattr(cfg, "min_gain", 1.0):
             return None
         k = min(getattr(cfg, "probe_k", 2), limit)
-        plain = self.curves.verify_cost(1, self.depth)
-        probe = self.curves.verify_cost(k + 1, self.depth) + self.curves.drafter_cost(k)
-        extra = max(0.0, probe / plain - 1.0)
+        # Expected probe time: a drafter that seldom proposes anything (lookup without a
+        # match) makes most probes plain rounds, so it can be probed often.
+        lengths = self.lengths
+        table = plan_table(
+            self.curves, 0.0, self.depth, k, survival=lengths.survival() if lengths else None
+        )
+        extra = max(0.0, table[k].seconds / table[0].seconds - 1.0)
         return max(
             getattr(cfg, "probe_every", 16), math.ceil(extra / getattr(cfg, "probe_cost", 0.02))
         )

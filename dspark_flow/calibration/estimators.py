@@ -8,6 +8,8 @@ differ in how well a drafter does on them.
 
 from __future__ import annotations
 
+OPTIMISM = 1.0  # pseudo-rounds in the length estimate that continue past every n
+
 
 class _Rate:
     """A success rate from exponentially decaying counts, started from `weight` pseudo-trials
@@ -88,7 +90,8 @@ class LengthEstimator:
 
     A round capped at k that proposed n < k observed L = n; one that proposed k only L >= k
     (censored). The survival S(n) = P(L >= n) is the product-limit (Kaplan-Meier) estimate over
-    decaying counts; with no evidence S = 1 (the drafter fills whatever k allows).
+    decaying counts, with `OPTIMISM` pseudo-rounds that continue at every n; with no evidence
+    S = 1 (the drafter fills whatever k allows).
     """
 
     def __init__(self, block: int, window: float = 32.0):
@@ -121,7 +124,10 @@ class LengthEstimator:
         for n in range(self.block + 1):
             # Rounds censored at c > n are known to have L > n; censored at n say nothing here.
             at_risk -= self.censored[n]
-            hazard = self.events[n] / at_risk if at_risk > 1e-12 else 0.0
+            # One pseudo-round that went on past n: where caps were small and little is known
+            # about longer drafts, assume the drafter would continue, so a longer cap gets tried
+            # (a pessimistic guess would never be corrected).
+            hazard = self.events[n] / (max(at_risk, 0.0) + OPTIMISM)
             out.append(out[-1] * (1.0 - min(1.0, hazard)))
             at_risk -= self.events[n]
         return out

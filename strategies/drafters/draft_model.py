@@ -51,6 +51,11 @@ class DraftModelDrafter(Drafter):
         self._cache = make_prompt_cache(self.model)
         self._fed = []
         self._sampler = sampler
+        # Prefill the draft model now, so its prompt cost lands in time-to-first-token (as in
+        # mlx-lm) rather than in the first round's drafting time.
+        if len(prompt_ids) > 1:
+            self._catch_up(prompt_ids[:-1])
+            mx.eval([c.state for c in self._cache])
 
     def _catch_up(self, history: list[int]) -> mx.array:
         """Bring the cache in step with `history`; return logits for the token after it."""
