@@ -10,6 +10,8 @@ import argparse
 import shlex
 import sys
 
+from dspark_flow.cli.args import add_overrides
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipes", nargs="*", metavar="RECIPE", help="recipe YAML files to compare")
@@ -49,14 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="timed forwards per K (default 5)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a field in every recipe, e.g. --set target.weights=native (repeatable)",
-    )
+    add_overrides(p, example="target.weights=native", note="; applies to every recipe")
     p.add_argument(
         "--from-json",
         default=None,

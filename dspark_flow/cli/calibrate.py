@@ -6,19 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dspark_flow.cli.args import add_recipe
 from dspark_flow.errors import DsparkFlowError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a recipe field, e.g. --set drafter.max_draft=8 (repeatable)",
-    )
+    add_recipe(p, example="drafter.max_draft=8")
     p.add_argument("--force", action="store_true", help="measure again even if cached")
     p.add_argument(
         "--depths",

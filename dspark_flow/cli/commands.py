@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dspark_flow.cli.args import add_overrides, add_recipe
 from dspark_flow.errors import DsparkFlowError, RecipeError
 
 
@@ -20,15 +21,7 @@ class Command:
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a recipe field, e.g. --set draft_cap.k=4 (repeatable)",
-    )
+    add_recipe(p)
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -87,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipes", nargs="+", help="recipe YAML files")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    add_overrides(p)
 
 
 def _validate(args: argparse.Namespace) -> int:

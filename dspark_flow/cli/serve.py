@@ -10,6 +10,7 @@ import ipaddress
 import os
 import sys
 
+from dspark_flow.cli.args import add_recipe
 from dspark_flow.errors import DsparkFlowError
 
 API_KEY_ENV = "DSPARK_FLOW_API_KEY"
@@ -31,16 +32,7 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a recipe field, e.g. --set draft_cap.k=4 (repeatable); "
-        "--set cache.kind=kv turns the prefix cache off",
-    )
+    add_recipe(p, note="; --set cache.kind=kv turns the prefix cache off")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument(
