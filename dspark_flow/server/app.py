@@ -145,29 +145,30 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         check_model(name)
         return JSONResponse(_model_card(config.model_id))
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        req = parse_model(openai_api.ChatCompletionRequest, await begin(request))
+    async def openai_generate(request: Request, chat: bool) -> Response:
+        """Chat and text completions differ only in request model, encoding and reply shape."""
+        model_cls = openai_api.ChatCompletionRequest if chat else openai_api.CompletionRequest
+        req = parse_model(model_cls, await begin(request))
         check_model(req.model)
-        ids = await run_in_threadpool(encode_chat, engine, req.chat_messages())
+        if chat:
+            ids = await run_in_threadpool(encode_chat, engine, req.chat_messages())
+        else:
+            ids = await run_in_threadpool(encode_text, engine, req.single_prompt())
         sampler = sampler_for(engine, req.temperature, req.top_p, req.top_k, req.min_p, req.seed)
         job = await submit(ids, req.budget, sampler, req.stop_list())
         if req.stream:
-            chunks = openai_api.stream(job, req.model, chat=True, include_usage=req.include_usage)
+            chunks = openai_api.stream(job, req.model, chat=chat, include_usage=req.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(openai_api.chat_response(req.model, await _collect(job, request)))
+        respond = openai_api.chat_response if chat else openai_api.completion_response
+        return JSONResponse(respond(req.model, await _collect(job, request)))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        return await openai_generate(request, chat=True)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        req = parse_model(openai_api.CompletionRequest, await begin(request))
-        check_model(req.model)
-        ids = await run_in_threadpool(encode_text, engine, req.single_prompt())
-        sampler = sampler_for(engine, req.temperature, req.top_p, req.top_k, req.min_p, req.seed)
-        job = await submit(ids, req.budget, sampler, req.stop_list())
-        if req.stream:
-            chunks = openai_api.stream(job, req.model, chat=False, include_usage=req.include_usage)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(openai_api.completion_response(req.model, await _collect(job, request)))
+        return await openai_generate(request, chat=False)
 
     @app.post("/v1/messages", response_model=None)
     async def messages(request: Request) -> Response:
