@@ -1,4 +1,5 @@
-"""Draft caps on this machine: fixed k = 1..16 against `calibrated` and `auto`, with lookup.
+"""Draft caps on this machine: fixed k = 1..16 against `calibrated` and `auto`, with lookup
+(or a shipped trained drafter: --drafter dspark|dflash).
 
 Every strategy runs on the same prompts (a few per category of dspark_flow/data/prompts.jsonl)
 in the same process, interleaved (each trial visits every prompt, and for each prompt every
@@ -38,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--ks", default="1-16", help="fixed k values: '1-16' or '1,2,4,8'")
     p.add_argument("--model", default=None, help="target (default: the embedded model)")
+    p.add_argument(
+        "--drafter",
+        choices=["lookup", "dspark", "dflash"],
+        default="lookup",
+        help="lookup, or the shipped trained drafter of that kind (builtin:smollm2-135m-KIND)",
+    )
     p.add_argument("--weights", default="auto")
     p.add_argument("--out", default="out/draft_caps")
     p.add_argument(
@@ -120,9 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     # The same curves the calibrated/auto caps load in warm_up (same key), measured first so the
     # time is reported apart.
     t0 = time.perf_counter()
+    if args.drafter == "lookup":
+        section: dict[str, Any] = LOOKUP
+        probe: Any = LookupDrafter(LookupConfig(**LOOKUP))
+    else:
+        from dspark_flow.api import load_drafter
+
+        section = {"kind": args.drafter, "checkpoint": f"builtin:smollm2-135m-{args.drafter}"}
+        probe = load_drafter(section["checkpoint"], model, kind=args.drafter)
     curves, cache_path, measured = obtain_curves(
         model,
-        LookupDrafter(LookupConfig(**LOOKUP)),
+        probe,
         tokenizer=tok,
         target_ref=target_ref,
         force=args.recalibrate,
@@ -135,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot_curves(curves, out / "verify_cost.png", f"{target_ref} ({args.weights}) on {where}")
 
-    ks = parse_ks(args.ks)
+    ks = [k for k in parse_ks(args.ks) if probe.max_draft is None or k <= probe.max_draft]
     target = {"model": target_ref, "weights": args.weights}
     stops = [{"kind": "eos"}, {"kind": "max_tokens", "limit": args.max_tokens}]
     recipes: dict[str, dict[str, Any]] = {"greedy": {"drafter": {"kind": "none"}}}
     for k in ks:
-        recipes[f"fixed k={k}"] = {"drafter": LOOKUP, "draft_cap": {"kind": "fixed", "k": k}}
-    recipes["calibrated"] = {"drafter": LOOKUP, "draft_cap": {"kind": "calibrated"}}
-    recipes["auto"] = {"drafter": LOOKUP, "draft_cap": {"kind": "auto"}}
+        recipes[f"fixed k={k}"] = {"drafter": section, "draft_cap": {"kind": "fixed", "k": k}}
+    recipes["calibrated"] = {"drafter": section, "draft_cap": {"kind": "calibrated"}}
+    recipes["auto"] = {"drafter": section, "draft_cap": {"kind": "auto"}}
     pipes = {
         name: Pipeline.from_dict({**r, "target": target, "stop": stops}, target=(model, tok))
         for name, r in recipes.items()

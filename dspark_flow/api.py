@@ -151,13 +151,18 @@ def load_drafter(
     *,
     kind: str | None = None,
     revision: str | None = None,
-    quantize: int | None = 4,
+    quantize: int | str | None = "auto",
     dtype: str = "auto",
     **options: Any,
 ) -> Any:
     """Load a DSpark/DFlash drafter checkpoint (local dir, hub id or builtin:<name>) for an
     already loaded `target`; `kind` defaults to what the checkpoint's layout says. The drafter is
-    checked against the target (hidden size, vocabulary, depth) and its feature taps installed."""
+    checked against the target (hidden size, vocabulary, depth) and its feature taps installed.
+
+    `quantize` ('auto', 4, 8 or None) quantizes a float checkpoint at load: 'auto' is 4 bits on
+    GPU backends and none on the CPU backend, where MLX's quantized matmul costs K times one row.
+    A checkpoint stored quantized keeps its quantization, but on the CPU backend with dtype
+    'auto' it is dequantized to float32 (unless `quantize` is 4 or 8)."""
     from dspark_flow import registry
     from dspark_flow.models.drafter_loading import DEEPSPEC, read_spec
     from dspark_flow.models.loading import resolve_model_path
@@ -184,14 +189,15 @@ def load_pair(
     *,
     drafter_revision: str | None = None,
     kind: str | None = None,
-    quantize: int | None = 4,
+    quantize: int | str | None = "auto",
     weights: str = "auto",
 ) -> tuple[Any, Any, Any, Any]:
     """Load a target and its trained drafter: (model, tokenizer, drafter, drafter config).
 
     With `drafter` None the drafter is looked up by target name in the drafter table (any
     quantization of a known target matches; `kind` picks 'dspark' or 'dflash' when a target has
-    both). `revision` pins the target, `drafter_revision` the drafter."""
+    both). `revision` pins the target, `drafter_revision` the drafter; `quantize` as in
+    `load_drafter`."""
     from dspark_flow.models.drafter_loading import resolve_drafter
 
     target_ref = target or DEFAULT_MODEL
@@ -261,7 +267,7 @@ def speculative_generate(
 
 
 def load_dflash_pair(
-    repo: str, revision: str | None = None, *, quantize: int | None = 4
+    repo: str, revision: str | None = None, *, quantize: int | str | None = "auto"
 ) -> tuple[Any, Any, Any, Any]:
     """A target and its DFlash drafter from either name: a DFlash drafter repo listed in the
     drafter table (its target is loaded too), or a target (its DFlash drafter is looked up)."""

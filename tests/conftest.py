@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import dspark_flow  # noqa: F401  (first: it preloads OpenBLAS before mlx, ~15x on CPU matmuls)
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
 

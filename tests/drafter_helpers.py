@@ -38,7 +38,7 @@ def deepspec_config(hidden: int, vocab: int, target_layers: int, layer_ids: list
         "attention_bias": False,
         "attention_dropout": 0.0,
         "vocab_size": vocab,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": kw.get("tie", False),
         "layer_types": ["full_attention"] * layers,
         "use_sliding_window": False,
         "sliding_window": None,
@@ -130,7 +130,8 @@ def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 t[p + c + ".kernel_projection.weight"] = (2 * k * (h // g), h)
     if arch == "Qwen3DSparkModel":
         t["embed_tokens.weight"] = (v, h)
-        t["lm_head.weight"] = (v, h)
+        if not cfg["tie_word_embeddings"]:  # save_pretrained drops a tied head
+            t["lm_head.weight"] = (v, h)
         r = cfg["markov_rank"]
         if r:
             t["markov_head.markov_w1.weight"] = (v, r)
@@ -177,6 +178,34 @@ def write_checkpoint(directory: Path, cfg: dict[str, Any], tensors: dict[str, An
     arrays = {
         k: mx.array(np.asarray(v, dtype=np.float32)).astype(mx.bfloat16) for k, v in tensors.items()
     }
+    mx.save_safetensors(str(directory / "model.safetensors"), arrays)
+    return directory
+
+
+def write_quantized_checkpoint(
+    directory: Path,
+    cfg: dict[str, Any],
+    tensors: dict[str, Any],
+    modules: dict[str, tuple[int, int]],
+    default: tuple[int, int] = (64, 4),
+) -> Path:
+    """As mlx-lm converts a checkpoint: each module path in `modules` stored quantized (affine,
+    its (group_size, bits); `.weight` packed, `.scales`/`.biases` in bfloat16), every other tensor
+    in bfloat16, and config `quantization` = the `default` pair plus one entry per module whose
+    pair differs from it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, mx.array] = {}
+    quant: dict[str, Any] = {"group_size": default[0], "bits": default[1], "mode": "affine"}
+    for name, value in tensors.items():
+        arrays[name] = mx.array(np.asarray(value, dtype=np.float32)).astype(mx.bfloat16)
+    for path, (group, bits) in modules.items():
+        w = arrays[f"{path}.weight"]
+        q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+        arrays[f"{path}.weight"] = q
+        arrays[f"{path}.scales"], arrays[f"{path}.biases"] = scales, biases
+        if (group, bits) != default:
+            quant[path] = {"group_size": group, "bits": bits}
+    (directory / "config.json").write_text(json.dumps({**cfg, "quantization": quant}, indent=2))
     mx.save_safetensors(str(directory / "model.safetensors"), arrays)
     return directory
 
@@ -380,10 +409,11 @@ def train_block_drafter(drafter, feats, seq, steps=300, lr=3e-3, seed=0):
     b, first = spec.block_size, drafter.first_slot
     dspark = "embed_tokens" in model
     embed = model.embed_tokens if dspark else drafter.embed
-    head = model.lm_head if dspark else drafter._head
+    head = model.logits if dspark else drafter._head
     if dspark:  # DeepSpec copies the target's embedding and head into the drafter, frozen
         model.embed_tokens.freeze()
-        model.lm_head.freeze()
+        if "lm_head" in model:
+            model.lm_head.freeze()
     anchors = list(range(1, len(seq) - b - 1))
     # Slot j of the block predicts the token j + 1 - first places after the anchor.
     labels = mx.array([[seq[a + j + 1 - first] for j in range(first, b)] for a in anchors])

@@ -26,8 +26,14 @@ from mlx_lm.models import llama
 from dspark_flow import api
 from dspark_flow.engine import decode as decode_module
 from dspark_flow.errors import ConfigError, ModelError
+from dspark_flow.models.backend import backend_name
 from dspark_flow.models.drafter_backbone import ContextKV
-from dspark_flow.models.drafter_loading import resolve_drafter, resolve_target, target_key
+from dspark_flow.models.drafter_loading import (
+    read_spec,
+    resolve_drafter,
+    resolve_target,
+    target_key,
+)
 from dspark_flow.models.taps import install_taps
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.samplers.greedy import GreedySampler
@@ -39,10 +45,14 @@ PROMPTS = [[1, 504, 2031, 77, 9000, 12, 31, 4000, 77, 12], [7, 8, 9, 10, 11, 12,
 CYCLE = [100, 110, 100, 120, 100, 130]  # the token after 100 depends on the one before it
 
 
-def llama_target(layers: int, vocab: int = VOCAB, seed: int = 0, scale: float = 4.0):
+def llama_target(
+    layers: int, vocab: int = VOCAB, seed: int = 0, scale: float = 4.0, hidden: int = 32
+):
     mx.random.seed(seed)
     model = llama.Model(
-        llama.ModelArgs(**{**tiny_args(), "num_hidden_layers": layers, "vocab_size": vocab})
+        llama.ModelArgs(
+            **{**tiny_args(hidden=hidden), "num_hidden_layers": layers, "vocab_size": vocab}
+        )
     )
     model.model.embed_tokens.weight = model.model.embed_tokens.weight * scale
     mx.eval(model.parameters())
@@ -278,7 +288,7 @@ def test_trained_drafter_is_accepted_and_the_wrong_slot_convention_is_not(
     prompt = CYCLE * 4
     ref = api.greedy_generate(target, tok, prompt, max_new_tokens=36, chat=False)
     assert ref.token_ids == (CYCLE * 12)[24:60]  # the target really continues the cycle
-    good = api.load_drafter(str(trained), target)  # default loading (quantize 4, auto dtype)
+    good = api.load_drafter(str(trained), target)  # default loading (quantize, dtype auto)
     res = api.speculative_generate(
         target, tok, good, prompt, max_new_tokens=36, max_draft_tokens=None, chat=False
     )
@@ -323,6 +333,161 @@ def test_sampled_drafts_carry_their_distribution(tmp_path, tiny4, tok, name):
         for _ in range(2)
     ]
     assert runs[0].token_ids == runs[1].token_ids and runs[0].num_tokens == 16
+
+
+# -- tied heads, stored quantization, the CPU policy ---------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", [None, 4])
+def test_tied_dspark_drafts_as_the_same_weights_saved_untied(tmp_path, tiny4, quantize):
+    tied_cfg = h.deepspec_config(32, VOCAB, 4, [0, 2], markov_rank=8, tie=True)
+    tensors = h.random_tensors(tied_cfg, seed=5)
+    assert "lm_head.weight" not in tensors
+    untied_cfg = {**tied_cfg, "tie_word_embeddings": False}
+    untied = {**tensors, "lm_head.weight": tensors["embed_tokens.weight"]}
+    drafts = []
+    for name, cfg, ts in (("tied", tied_cfg, tensors), ("untied", untied_cfg, untied)):
+        path = h.write_checkpoint(tmp_path / name, cfg, ts)
+        drafter = api.load_drafter(str(path), tiny4, quantize=quantize)
+        assert ("lm_head" in drafter.model) == (name == "untied")
+        drafts.append(_propose_once(drafter, tiny4, PROMPTS[0], 321).tokens)
+    assert drafts[0] == drafts[1] and len(drafts[0]) == tied_cfg["block_size"]
+
+    # Tied in the config but a head is stored: the stored head is used (not the embedding).
+    other = {**untied, "lm_head.weight": h.random_tensors(untied_cfg, seed=6)["lm_head.weight"]}
+    path = h.write_checkpoint(tmp_path / "both", tied_cfg, other)
+    drafter = api.load_drafter(str(path), tiny4, quantize=None, dtype="float32")
+    stored = mx.load(str(path / "model.safetensors"))["lm_head.weight"].astype(mx.float32)
+    assert mx.array_equal(drafter.model.lm_head.weight, stored).item()
+
+
+def _mixed_quant_checkpoint(tmp_path: Path) -> tuple[Path, dict, list[str]]:
+    """A hidden-64 DSpark drafter, embed_tokens stored 4-bit group 32 (a per-module entry), every
+    layer matrix 8-bit group 64 (the top-level pair), fc and lm_head float."""
+    cfg = h.deepspec_config(64, VOCAB, 4, [0, 2], head_dim=32, layers=2)
+    tensors = h.random_tensors(cfg, seed=7)
+    layer_mats = sorted(
+        n[: -len(".weight")]
+        for n in tensors
+        if n.startswith("layers.") and n.endswith("_proj.weight")
+    )
+    modules = {"embed_tokens": (32, 4), **{m: (64, 8) for m in layer_mats}}
+    path = h.write_quantized_checkpoint(tmp_path / "q", cfg, tensors, modules, default=(64, 8))
+    return path, cfg, layer_mats
+
+
+def _load_model(path: Path, quantize="auto", dtype="auto"):
+    from dspark_flow.models.drafter_loading import load_drafter_weights
+    from dspark_flow.strategies.drafters.dspark import DSparkModel
+
+    spec = read_spec(path)
+    return load_drafter_weights(DSparkModel(spec), spec, quantize, dtype)
+
+
+def test_per_module_stored_quantization_and_cpu_dequantization(tmp_path, monkeypatch):
+    path, cfg, layer_mats = _mixed_quant_checkpoint(tmp_path)
+    assert json.loads((path / "config.json").read_text())["quantization"] == {
+        "group_size": 64,
+        "bits": 8,
+        "mode": "affine",
+        "embed_tokens": {"group_size": 32, "bits": 4},
+    }
+    stored = mx.load(str(path / "model.safetensors"))
+
+    # An explicit dtype keeps the stored quantization, module by module.
+    model = _load_model(path, dtype="float32")
+    modules = dict(model.named_modules())
+    emb = modules["embed_tokens"]
+    assert isinstance(emb, nn.QuantizedEmbedding) and (emb.group_size, emb.bits) == (32, 4)
+    for name in layer_mats:
+        m = modules[name]
+        assert isinstance(m, nn.QuantizedLinear) and (m.group_size, m.bits) == (64, 8), name
+    assert type(modules["fc"]) is nn.Linear and type(modules["lm_head"]) is nn.Linear
+
+    # CPU, dtype auto: dequantized to float32, exactly mx.dequantize of the stored tensors.
+    monkeypatch.setattr("dspark_flow.models.backend.backend_name", lambda: "cpu")
+    model = _load_model(path)
+    modules = dict(model.named_modules())
+    assert not any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in modules.values()
+    )
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))
+    for name, (group, bits) in {
+        "embed_tokens": (32, 4),
+        **{m: (64, 8) for m in layer_mats},
+    }.items():
+        want = mx.dequantize(
+            stored[f"{name}.weight"],
+            stored[f"{name}.scales"].astype(mx.float32),
+            stored[f"{name}.biases"].astype(mx.float32),
+            group_size=group,
+            bits=bits,
+        )
+        assert mx.array_equal(modules[name].weight, want).item(), name
+    assert mx.array_equal(modules["fc"].weight, stored["fc.weight"].astype(mx.float32)).item()
+
+    # ... unless 4 or 8 bits are asked for explicitly: then the stored quantization stays.
+    model = _load_model(path, quantize=8)
+    assert isinstance(model.embed_tokens, nn.QuantizedEmbedding) and model.embed_tokens.bits == 4
+
+
+def test_quantized_drafter_loads_by_default_and_is_lossless(tmp_path, tok):
+    path, _, _ = _mixed_quant_checkpoint(tmp_path)
+    target = llama_target(4, hidden=64)
+    drafter = api.load_drafter(str(path), target)
+    quantized = any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        for _, m in drafter.model.named_modules()
+    )
+    assert quantized == (backend_name() != "cpu")
+    ref = api.greedy_generate(target, tok, PROMPTS[0], max_new_tokens=16, chat=False)
+    res = api.speculative_generate(
+        target, tok, drafter, PROMPTS[0], max_new_tokens=16, max_draft_tokens=None, chat=False
+    )
+    assert res.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("case", ["group", "bits", "no-config"])
+def test_stored_quantization_that_does_not_fit_fails_in_one_line(tmp_path, case):
+    path, _, _ = _mixed_quant_checkpoint(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    if case == "group":  # stored group 32, claimed 64: the scales are twice too wide
+        cfg["quantization"]["embed_tokens"] = {"group_size": 64, "bits": 4}
+        words = ["embed_tokens.scales", f"({VOCAB}, 2)", f"({VOCAB}, 1)", "4-bit group-64"]
+    elif case == "bits":  # layers stored 8-bit, claimed 4-bit: the packed weight does not fit
+        cfg["quantization"]["bits"] = 4
+        words = ["layers.0.self_attn.q_proj.weight", "(64, 16)", "(64, 8)", "4-bit group-64"]
+    else:
+        cfg.pop("quantization")
+        words = ["embed_tokens.scales", "no 'quantization'"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError) as info:
+        _load_model(path)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for word in words:
+        assert word in msg, msg
+
+
+def test_quantize_auto_keeps_a_float_checkpoint_float_on_cpu(tmp_path, monkeypatch):
+    from dspark_flow.strategies.drafters.dspark import DSparkConfig
+
+    assert DSparkConfig().quantize == "auto"
+    cfg = h.deepspec_config(64, VOCAB, 4, [0, 2], head_dim=32)  # hidden 64: quantizable
+    path = h.write_checkpoint(tmp_path / "f", cfg, h.random_tensors(cfg))
+    monkeypatch.setattr("dspark_flow.models.backend.backend_name", lambda: "cpu")
+    model = _load_model(path)
+    assert not any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
+    )
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()))
+    assert isinstance(_load_model(path, quantize=8).lm_head, nn.QuantizedLinear)  # explicit: kept
+    monkeypatch.setattr("dspark_flow.models.backend.backend_name", lambda: "cuda")
+    model = _load_model(path)  # a GPU backend: auto = 4 bits
+    assert isinstance(model.lm_head, nn.QuantizedLinear) and model.lm_head.bits == 4
+    assert isinstance(model.embed_tokens, nn.QuantizedEmbedding)
+    with pytest.raises(ConfigError, match="quantize must be"):
+        _load_model(path, quantize=3)
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -421,7 +586,7 @@ def test_api_load_pair_recipe_and_defaults(tmp_path, tiny4, tok, greedy_refs, mo
     _, path, _ = make_checkpoint(tmp_path, "dflash2")
     monkeypatch.setattr(api, "load_target", lambda ref, revision=None, weights="auto": (tiny4, tok))
     model, tok2, drafter, cfg = api.load_pair("some/target", str(path))
-    assert model is tiny4 and tok2 is tok and cfg.kind == "dflash" and cfg.quantize == 4
+    assert model is tiny4 and tok2 is tok and cfg.kind == "dflash" and cfg.quantize == "auto"
     one = api.speculative_generate(model, tok, drafter, PROMPTS[0], max_new_tokens=24, chat=False)
     full = api.dflash_generate(model, tok, drafter, PROMPTS[0], max_new_tokens=24, chat=False)
     assert one.token_ids == full.token_ids == greedy_refs[0]
@@ -442,7 +607,8 @@ def test_api_load_pair_recipe_and_defaults(tmp_path, tiny4, tok, greedy_refs, mo
 
 @pytest.mark.slow
 def test_on_the_embedded_model(tmp_path, embedded):
-    """Both layouts on the real default target (30 layers, hidden 576), default 4-bit loading."""
+    """Both layouts on the real default target (30 layers, hidden 576), default loading (4-bit on
+    GPU backends, float on the CPU)."""
     model, tok = embedded
     prompt = "Write the numbers from one to ten in words."
     ref = api.greedy_generate(model, tok, prompt, max_new_tokens=12)
@@ -477,7 +643,8 @@ def test_on_the_embedded_model(tmp_path, embedded):
     for name, cfg in (("dspark", dspark), ("dflash2", dflash2)):
         path = h.write_checkpoint(tmp_path / name, cfg, h.random_tensors(cfg))
         drafter = api.load_drafter(str(path), model)
-        assert any(isinstance(m, nn.QuantizedLinear) for _, m in drafter.model.named_modules())
+        quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in drafter.model.named_modules())
+        assert quantized == (backend_name() != "cpu")
         res = api.speculative_generate(
             model, tok, drafter, prompt, max_new_tokens=12, max_draft_tokens=None
         )

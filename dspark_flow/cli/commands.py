@@ -180,6 +180,21 @@ def _serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# -- train -------------------------------------------------------------------------------------
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from dspark_flow.cli.train import add_arguments
+
+    add_arguments(p)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dspark_flow.cli.train import run
+
+    return run(args)
+
+
 # -- calibrate ---------------------------------------------------------------------------------
 
 
@@ -206,4 +221,5 @@ COMMANDS: list[Command] = [
     Command("bench", "compare recipes with greedy and mlx-lm baselines", _bench_args, _bench),
     Command("serve", "serve a recipe over OpenAI/Anthropic-compatible HTTP", _serve_args, _serve),
     Command("calibrate", "measure and cache draft cost curves", _calibrate_args, _calibrate),
+    Command("train", "train a DSpark/DFlash drafter for a target", _train_args, _train),
 ]

@@ -71,3 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def print_json(data: object) -> None:
     json.dump(data, sys.stdout, indent=2, ensure_ascii=False)
     sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -136,8 +136,6 @@ def choose_weight_format(requested: str) -> str:
 def apply_weight_format(model: Any, fmt: str) -> Any:
     """Convert `model` in place to `fmt` ('native', 'float32', 'bfloat16', 'float16'); returns it."""
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_map_with_path
 
     if fmt == "native":
         if backend_name() == "cpu":
@@ -147,7 +145,15 @@ def apply_weight_format(model: Any, fmt: str) -> Any:
     dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
     if fmt not in dtypes:
         raise ModelError(f"unknown weight format {fmt!r}")
-    dtype = dtypes[fmt]
+    return dequantize_model(model, dtypes[fmt])
+
+
+def dequantize_model(model: Any, dtype: Any) -> Any:
+    """Replace every QuantizedLinear/QuantizedEmbedding of `model` by its float twin and cast the
+    float parameters to `dtype` (an mx.Dtype), in place; returns it."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map_with_path
 
     def dequantized(_path: str, m: Any) -> Any:
         if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):

@@ -82,10 +82,10 @@ class DraftAttention(nn.Module):
         self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
 
     def keys_values(self, x: mx.array, offset: int, rope: Any) -> tuple[mx.array, mx.array]:
-        """k/v heads of rows `x` (1, S, hidden) sitting at positions offset.., RoPE applied."""
-        n = x.shape[1]
-        k = self.k_norm(self.k_proj(x).reshape(1, n, self.n_kv, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(1, n, self.n_kv, -1).transpose(0, 2, 1, 3)
+        """k/v heads of rows `x` (batch, S, hidden) sitting at positions offset.., RoPE applied."""
+        b, n = x.shape[:2]
+        k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.n_kv, -1).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), v
 
     def __call__(

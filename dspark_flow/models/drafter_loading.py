@@ -5,17 +5,23 @@ Layouts (as the upstream code writes them):
 - DeepSpec (`deepseek-ai/dspark_*`, and DeepSpec's own `dflash_*_block7`): HF `save_pretrained`
   of `Qwen3DSparkModel`; the config is a copy of the target's with the drafter fields at the top
   level (block_size, target_layer_ids, mask_token_id, markov_rank, ...); the weights include
-  `embed_tokens` and `lm_head`.
+  `embed_tokens` and `lm_head` (no `lm_head` when the config ties the head to the embedding and
+  the checkpoint stores none: the logits then come from `embed_tokens`).
 - z-lab DFlash (`z-lab/*-DFlash*`): drafter fields nested under `dflash_config` (falling back to
   the top level, as z-lab's `_draft_value` does); no embedding or LM head (the target's are
   reused). DFlash 2 (`architectures: ["DFlash2DraftModel"]`) adds the conv and selector tensors;
   its two codebooks are stored as bare tensors, not `.weight`.
+
+Either layout may be stored quantized by mlx-lm's convention: config `quantization` holds the
+default `group_size`/`bits`/`mode` and optionally a `{group_size, bits, mode}` entry per module
+path; a module is stored quantized iff its `<path>.scales` tensor is present.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +152,11 @@ def read_spec(path: Path) -> DrafterSpec:
         extra["markov_head_type"] = str(cfg.get("markov_head_type", "vanilla")).lower()
         extra["enable_confidence_head"] = bool(cfg.get("enable_confidence_head", False))
         extra["confidence_head_with_markov"] = bool(cfg.get("confidence_head_with_markov", False))
+        # Tied only when the checkpoint really has no head: a stored lm_head wins over the flag
+        # (HF and mlx-lm would tie and drop it instead; a stored head is what was trained).
+        extra["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False)) and not (
+            {"lm_head.weight", "lm_head.scales"} & stored_tensor_names(path)
+        )
     else:
         extra["output_multiplier"] = float(value("output_multiplier", 1.0))
         extra["final_logit_softcapping"] = value("final_logit_softcapping")
@@ -180,6 +191,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     start, end = 1, num_target_layers - 3
     span = end - start
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def stored_tensor_names(path: Path) -> set[str]:
+    """Names of the tensors in `path/*.safetensors`, from the file headers only."""
+    names: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error) as e:
+            raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from e
+        names.update(k for k in header if k != "__metadata__")
+    return names
 
 
 def read_tensors(path: Path) -> dict[str, mx.array]:
@@ -236,32 +261,124 @@ def _quantizable(_path: str, module: nn.Module) -> bool:
     return in_dim % QUANT_GROUP == 0 and out_dim >= QUANT_GROUP
 
 
+def resolve_quantize(quantize: int | str | None) -> int | None:
+    """'auto' -> 4 bits on GPU backends, none on the CPU backend (whose quantized matmul costs K
+    times one row for K rows, which a block drafter's parallel pass cannot afford)."""
+    if quantize == "auto":
+        from dspark_flow.models.backend import backend_name
+
+        return None if backend_name() == "cpu" else 4
+    if quantize not in (None, 4, 8):
+        raise ConfigError(f"quantize must be 'auto', 4, 8 or none, not {quantize!r}")
+    return None if quantize is None else int(quantize)
+
+
+def stored_quantization(
+    model: nn.Module, spec: DrafterSpec, tensors: dict[str, mx.array]
+) -> dict[str, dict[str, Any]]:
+    """{module path: to_quantized params} of the modules the checkpoint stores quantized, each
+    checked against the stored packed weight, scales and biases shapes."""
+    cfg = spec.config.get("quantization")
+    quantized = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
+    if not quantized:
+        return {}
+    if not isinstance(cfg, dict):
+        raise ModelError(
+            f"drafter checkpoint {spec.path} stores quantized tensors "
+            f"({sorted(quantized)[0]}.scales, ...) but its config has no 'quantization' section"
+        )
+    default = {
+        "group_size": int(cfg.get("group_size", QUANT_GROUP)),
+        "bits": int(cfg.get("bits", 4)),
+        "mode": str(cfg.get("mode", "affine")),
+    }
+    plan: dict[str, dict[str, Any]] = {}
+    for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if path not in quantized or not hasattr(module, "to_quantized"):
+            continue  # a stray .scales is reported by load_checked as an unknown tensor
+        entry = cfg.get(path)
+        if entry is False:
+            raise ModelError(
+                f"drafter checkpoint {spec.path}: {path}.scales is stored but the config's "
+                f"quantization section says {path!r} is not quantized"
+            )
+        params = dict(default)
+        if isinstance(entry, dict):
+            params.update(
+                {k: (str(v) if k == "mode" else int(v)) for k, v in entry.items() if k in params}
+            )
+        _check_quantized_shapes(path, module.weight.shape, params, tensors, spec.path)
+        plan[path] = params
+    return plan
+
+
+def _check_quantized_shapes(
+    path: str,
+    shape: tuple[int, ...],
+    params: dict[str, Any],
+    tensors: dict[str, mx.array],
+    where: Path,
+) -> None:
+    """The stored weight/scales/biases of `path` must be what quantizing its (out, in) float
+    weight with `params` gives; else a one-line ModelError naming the first tensor that is not."""
+    out_dim, in_dim = shape
+    claim = f"{params['bits']}-bit group-{params['group_size']} {params['mode']}"
+    try:  # one row tells the packed widths (and whether the claim is a valid quantization)
+        row = mx.quantize(mx.zeros((1, in_dim)), **params)
+    except (ValueError, RuntimeError) as e:
+        raise ModelError(
+            f"drafter checkpoint {where}: {path}.scales claims {claim} quantization, which does "
+            f"not fit {path} ({out_dim} x {in_dim}): {str(e).splitlines()[0]}"
+        ) from e
+    for suffix, ref in zip(("weight", "scales", "biases"), row, strict=False):
+        name = f"{path}.{suffix}"
+        want = (out_dim, ref.shape[1])
+        got = tuple(tensors[name].shape) if name in tensors else None
+        if got != want:
+            have = f"has shape {got}" if got is not None else "is missing"
+            raise ModelError(
+                f"drafter checkpoint {where}: {name} {have}, but {claim} quantization of {path} "
+                f"({out_dim} x {in_dim}) stores it as {want}"
+            )
+
+
 def load_drafter_weights(
-    model: nn.Module, spec: DrafterSpec, quantize: int | None, dtype: str
+    model: nn.Module, spec: DrafterSpec, quantize: int | str | None, dtype: str
 ) -> nn.Module:
-    """Fill `model` from the checkpoint, cast float params, quantize if asked; returns it."""
+    """Fill `model` from the checkpoint, cast float params, quantize if asked; returns it.
+
+    A float checkpoint is quantized to `quantize` bits ('auto': 4 on GPU backends, none on CPU).
+    A stored-quantized checkpoint keeps its own quantization (never re-quantized), except that on
+    the CPU backend with dtype 'auto' it is dequantized to float32 unless `quantize` explicitly
+    asks for 4 or 8 bits."""
     tensors = read_tensors(spec.path)
     if spec.layout == DFLASH2:
         for name in ("predecessor_codebook", "successor_codebook"):
             key = f"candidate_selector.{name}"
             if key in tensors:
                 tensors[f"{key}.weight"] = tensors.pop(key)
-    stored_q = spec.config.get("quantization")
-    if isinstance(stored_q, dict):  # an mlx-converted drafter: quantize the skeleton to match
-        nn.quantize(
-            model,
-            group_size=int(stored_q.get("group_size", QUANT_GROUP)),
-            bits=int(stored_q.get("bits", 4)),
-            class_predicate=lambda p, m: f"{p}.scales" in tensors,
-        )
+    plan = stored_quantization(model, spec, tensors)
+    if plan:  # an mlx-converted drafter: quantize the skeleton to match, module by module
+        nn.quantize(model, class_predicate=lambda p, m: dict(plan[p]) if p in plan else False)
     load_checked(model, tensors, spec.path)
+    bits = resolve_quantize(quantize)
+    if plan and dtype == "auto" and quantize in ("auto", None) and _on_cpu():
+        from dspark_flow.models.backend import dequantize_model
+
+        return dequantize_model(model, mx.float32)  # also casts (and evaluates) the rest
     target_dtype = compute_dtype(dtype)
     if target_dtype is not None:
         model.set_dtype(target_dtype)
-    if quantize and not isinstance(stored_q, dict):
-        nn.quantize(model, group_size=QUANT_GROUP, bits=quantize, class_predicate=_quantizable)
+    if bits and not plan:
+        nn.quantize(model, group_size=QUANT_GROUP, bits=bits, class_predicate=_quantizable)
     mx.eval(model.parameters())
     return model
+
+
+def _on_cpu() -> bool:
+    from dspark_flow.models.backend import backend_name
+
+    return backend_name() == "cpu"
 
 
 def check_pair(spec: DrafterSpec, target: nn.Module, target_name: str = "the target") -> None:

@@ -19,6 +19,7 @@ from dspark_flow.models.backend import apply_weight_format, choose_weight_format
 prefer_openblas()
 
 BUILTIN_PREFIX = "builtin:"
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "drafters"
 HUB_PATTERNS = [
     "*.json",
     "*.safetensors",
@@ -84,9 +85,12 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 def resolve_model_path(ref: str, revision: str | None = None) -> Path:
     """Local directory holding an mlx-lm model for `ref`, fetching or converting it if needed."""
     if ref.startswith(BUILTIN_PREFIX):
+        name = ref[len(BUILTIN_PREFIX) :]
+        if (SHIPPED_DRAFTERS / name / "config.json").is_file():  # trained drafters in the wheel
+            return SHIPPED_DRAFTERS / name
         from dspark_flow.models.embedded import ensure_builtin
 
-        return ensure_builtin(ref[len(BUILTIN_PREFIX) :])
+        return ensure_builtin(name)
     local = Path(ref).expanduser()
     if local.exists():
         return _check_model_dir(local)

@@ -37,11 +37,16 @@ class BlockDrafterConfig(StrategyConfig):
         "the drafter table (dspark_flow/data/drafters.json)",
     )
     revision: str | None = Field(None, description="hub revision of the checkpoint to pin")
-    quantize: Literal[4, 8] | None = Field(
-        4, description="quantize the drafter's matrices to 4 or 8 bits at load (null: keep)"
+    quantize: Literal["auto", 4, 8] | None = Field(
+        "auto",
+        description="quantize a float checkpoint's matrices to 4 or 8 bits at load (null: keep "
+        "float); auto = 4 on GPU backends, none on the CPU backend. A checkpoint stored "
+        "quantized keeps its own quantization",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="float parameters: auto = float32 on the CPU backend, else as stored"
+        "auto",
+        description="float parameters: auto = float32 on the CPU backend (a stored-quantized "
+        "checkpoint is dequantized to float32 there unless quantize is 4 or 8), else as stored",
     )
 
     @field_validator("quantize", mode="before")

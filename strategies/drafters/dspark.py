@@ -3,10 +3,11 @@
 The block is [anchor, mask x (B-1)] at the anchor's position onwards; DeepSpec "samples from the
 anchor": slot j predicts the token j+1 places after the anchor, so a block of B gives B drafts
 (deepspec/modeling/dspark/common.py: label_offsets 1..B). The drafter has its own embedding and
-LM head. Two cheap heads run left to right after the pass: the Markov head adds a low-rank
-previous-token correction to each slot's logits (vanilla, gated or RNN, as configured), and the
-confidence head predicts whether each slot will be accepted; `confidence_threshold` cuts the
-block at the first slot whose sigmoid falls below it (deepspec/eval/dspark/draft_ops.py).
+LM head (with `tie_word_embeddings` and no stored `lm_head`, the embedding serves as the head).
+Two cheap heads run left to right after the pass: the Markov head adds a low-rank previous-token
+correction to each slot's logits (vanilla, gated or RNN, as configured), and the confidence head
+predicts whether each slot will be accepted; `confidence_threshold` cuts the block at the first
+slot whose sigmoid falls below it (deepspec/eval/dspark/draft_ops.py).
 DeepSpec's own `dflash_*_block7` checkpoints are this architecture with both heads off.
 """
 
@@ -85,7 +86,8 @@ class DSparkModel(DrafterBackbone):
         super().__init__(spec.backbone)
         h, vocab, x = spec.backbone.hidden_size, spec.vocab_size, spec.extra
         self.embed_tokens = nn.Embedding(vocab, h)
-        self.lm_head = nn.Linear(h, vocab, bias=False)
+        if not x.get("tie_word_embeddings", False):
+            self.lm_head = nn.Linear(h, vocab, bias=False)
         if x["markov_rank"] > 0:
             self.markov_head = MarkovHead(x["markov_head_type"], vocab, x["markov_rank"], h)
         if x["enable_confidence_head"]:
@@ -94,6 +96,12 @@ class DSparkModel(DrafterBackbone):
             with_markov = x["confidence_head_with_markov"]
             self.confidence_head = ConfidenceHead(h + (x["markov_rank"] if with_markov else 0))
         object.__setattr__(self, "confidence_with_markov", bool(x["confidence_head_with_markov"]))
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The LM head, or the embedding used as one when the checkpoint ties them."""
+        if "lm_head" in self:
+            return self.lm_head(hidden)
+        return self.embed_tokens.as_linear(hidden)
 
 
 class DSparkDrafter(BlockDrafter):
@@ -116,7 +124,7 @@ class DSparkDrafter(BlockDrafter):
         m = self.model
         n = min(k, hidden.shape[0] - self.first_slot)
         hidden = hidden[self.first_slot : self.first_slot + n]
-        logits = m.lm_head(hidden)  # (n, vocab) before the Markov correction
+        logits = m.logits(hidden)  # (n, vocab) before the Markov correction
         markov = m.get("markov_head")
         conf_head = m.get("confidence_head")
         state = mx.zeros((markov.rank,), hidden.dtype) if markov and markov.kind == "rnn" else None

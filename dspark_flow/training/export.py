@@ -1,0 +1,133 @@
+"""Write a trained drafter in the published layouts that `drafter_loading` reads:
+DeepSpec's (`Qwen3DSparkModel`, drafter fields at the top level, own embedding) for DSpark and
+z-lab's (`DFlashDraftModel`, fields under `dflash_config`, no embedding or head) for DFlash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from dspark_flow.training.recipe import TrainRecipe
+
+WEIGHTS = "model.safetensors"
+
+
+def drafter_config(recipe: TrainRecipe, dims: dict[str, int], mask_token_id: int) -> dict[str, Any]:
+    """config.json of the drafter this recipe trains on a target with `dims`."""
+    arch = recipe.drafter
+    common: dict[str, Any] = {
+        "hidden_size": dims["hidden_size"],
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads or dims["num_heads"],
+        "num_key_value_heads": arch.num_kv_heads or dims["num_kv_heads"],
+        "head_dim": arch.head_dim or dims["head_dim"],
+        "intermediate_size": arch.intermediate_size or dims["intermediate_size"],
+        "rms_norm_eps": dims.get("rms_norm_eps", 1e-6),
+        "rope_theta": dims.get("rope_theta", 10000.0),
+        "max_position_embeddings": dims.get("max_position_embeddings", 8192),
+        "vocab_size": dims["vocab_size"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "num_target_layers": dims["num_layers"],
+        "dspark_flow": {"trained_with": "dspark-flow train", "recipe": recipe.name},
+    }
+    if arch.kind == "dspark":
+        return {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            **common,
+            "tie_word_embeddings": True,
+            "block_size": arch.block_size,
+            "target_layer_ids": list(arch.target_layer_ids),
+            "mask_token_id": mask_token_id,
+            "markov_rank": arch.markov_rank,
+            "markov_head_type": arch.markov_head_type,
+            "enable_confidence_head": arch.confidence_head,
+            "confidence_head_with_markov": False,
+        }
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **common,
+        "dflash_config": {
+            "block_size": arch.block_size,
+            "target_layer_ids": list(arch.target_layer_ids),
+            "mask_token_id": mask_token_id,
+        },
+    }
+
+
+def _quantizable(module: nn.Module, group: int) -> bool:
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    out_dim, in_dim = module.weight.shape
+    return in_dim % group == 0 and out_dim >= group
+
+
+def export_weights(
+    model: nn.Module, dtype: mx.Dtype, quantize: int | None, group_size: int
+) -> dict[str, mx.array]:
+    """Flat tensors as the loader expects them: floats cast to `dtype`; with `quantize`, every
+    Linear/Embedding whose width the group divides stored as mlx affine (weight, scales, biases).
+
+    Pure array work on the CPU stream: nothing is copied or converted in place, and no GPU
+    kernel is needed for a one-off write."""
+    flat = dict(tree_flatten(model.parameters()))
+    with mx.stream(mx.cpu):
+        out = {k: v.astype(dtype) for k, v in flat.items()}
+        if quantize:
+            for path, module in model.named_modules():
+                if not path or not _quantizable(module, group_size):
+                    continue
+                w = flat[f"{path}.weight"].astype(mx.float32)
+                q, scales, biases = mx.quantize(w, group_size=group_size, bits=quantize)
+                out[f"{path}.weight"] = q
+                out[f"{path}.scales"] = scales.astype(dtype)
+                out[f"{path}.biases"] = biases.astype(dtype)
+        mx.eval(out)
+    return out
+
+
+def write_drafter(
+    model: nn.Module,
+    config: dict[str, Any],
+    out: Path,
+    *,
+    quantize: int | None = None,
+    group_size: int = 32,
+    dtype: str = "bfloat16",
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Save `model` + `config` as a loadable drafter directory (atomically replaced)."""
+    config = dict(config)
+    if quantize:
+        config["quantization"] = {"group_size": group_size, "bits": quantize, "mode": "affine"}
+    weights = export_weights(model, getattr(mx, dtype), quantize, group_size)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        mx.save_safetensors(str(tmp / WEIGHTS), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).glob("*")) / 2**20

@@ -1,0 +1,337 @@
+"""The training recipe: pydantic models (`extra="forbid"`), loaded with the same one-line,
+position-carrying errors as decoding recipes (`dspark_flow.recipe.load`).
+
+Checks that need the target (drafter width vs target width, tap ids vs depth) run in
+`check_against_target`, still before any data is generated or step taken.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dspark_flow.errors import ConfigError, RecipeError
+from dspark_flow.recipe.schema import DEFAULT_MODEL, WeightFormat
+
+_LINES = re.compile(r"^\s*(\d+)?\s*-\s*(\d+)?\s*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainTarget(_Strict):
+    model: str = Field(DEFAULT_MODEL, description="builtin:<name>, hub repo id or local dir")
+    revision: str | None = None
+    weights: WeightFormat = Field(
+        "auto",
+        description="format the frozen target runs in while training: auto = float32 on CPU, "
+        "bfloat16 on GPUs (fast batched forward; 4-bit MLX matmuls grow with rows)",
+    )
+
+
+class PromptFile(_Strict):
+    path: str = Field(description="JSONL file: {'turns': [...]} or {'prompt': ...} per line")
+    lines: str | None = Field(
+        None, description="1-based inclusive line range, e.g. '1-1000' or '1001-' (default: all)"
+    )
+    limit: int | None = Field(None, ge=1, description="use at most this many prompts")
+    category: str | None = Field(None, description="label for per-category evaluation")
+
+    @field_validator("lines")
+    @classmethod
+    def _range(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        m = _LINES.match(value)
+        if not m or not (m.group(1) or m.group(2)):
+            raise ValueError(f"lines {value!r}: expected 'A-B', 'A-' or '-B' (1-based)")
+        lo, hi = int(m.group(1) or 1), int(m.group(2) or 10**12)
+        if lo < 1 or hi < lo:
+            raise ValueError(f"lines {value!r}: empty or non-positive range")
+        return value
+
+    def line_range(self) -> tuple[int, int]:
+        """0-based [start, stop) over the file's non-empty lines."""
+        if self.lines is None:
+            return 0, 10**12
+        m = _LINES.match(self.lines)
+        assert m is not None
+        return int(m.group(1) or 1) - 1, int(m.group(2) or 10**12)
+
+
+class DrafterArch(_Strict):
+    kind: Literal["dspark", "dflash"] = "dspark"
+    block_size: int = Field(
+        7, description="DSpark: drafts per round; DFlash: block incl. the anchor (block-1 drafts)"
+    )
+    num_layers: int = Field(3, ge=1, le=16)
+    target_layer_ids: list[int] = Field(
+        default_factory=lambda: [1, 8, 15, 22, 29],
+        description="target layers whose outputs feed the drafter (-1: the embedding output)",
+    )
+    hidden_size: int | None = Field(
+        None, description="must equal the target's width when set (default: the target's)"
+    )
+    intermediate_size: int | None = Field(None, ge=1, description="default: the target's")
+    num_heads: int | None = Field(None, ge=1, description="default: the target's")
+    num_kv_heads: int | None = Field(None, ge=1, description="default: the target's")
+    head_dim: int | None = Field(None, ge=1, description="default: the target's")
+    mask_token_id: int | None = Field(None, ge=0, description="default: the tokenizer's pad/unk")
+    markov_rank: int = Field(0, ge=0, description="DSpark: low-rank Markov head (0: off)")
+    markov_head_type: Literal["vanilla", "gated"] = Field(
+        "vanilla", description="training supports the per-slot heads (rnn: not yet)"
+    )
+    confidence_head: bool = Field(True, description="DSpark: train the acceptance predictor")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"block_size must be at least 1, got {value}")
+        if value > 64:
+            raise ValueError(f"block_size {value} is larger than 64")
+        return value
+
+    @field_validator("target_layer_ids")
+    @classmethod
+    def _taps(cls, value: list[int]) -> list[int]:
+        if not value:
+            raise ValueError("target_layer_ids must name at least one layer")
+        if any(b <= a for a, b in zip(value, value[1:], strict=False)):
+            raise ValueError(f"target_layer_ids {value} must be strictly increasing")
+        if value[0] < -1:
+            raise ValueError("target_layer_ids: -1 (embedding output) is the smallest id")
+        return value
+
+    @model_validator(mode="after")
+    def _kind_rules(self) -> DrafterArch:
+        if self.kind == "dflash":
+            if self.block_size < 2:
+                raise ValueError("dflash block_size must be at least 2 (slot 0 is the anchor)")
+            if self.markov_rank or self.confidence_head:
+                # Only DSpark checkpoints carry these heads; keep the recipe honest.
+                self.markov_rank, self.confidence_head = 0, False
+        return self
+
+    @property
+    def drafts_per_round(self) -> int:
+        return self.block_size - (1 if self.kind == "dflash" else 0)
+
+
+class DataSpec(_Strict):
+    prompts: list[PromptFile] = Field(default_factory=list)
+    self_prompts: int = Field(
+        0, ge=0, description="prompts the target writes itself (Magpie-style) on top of the files"
+    )
+    self_prompt_temperature: float = Field(1.0, gt=0.0)
+    self_prompt_max_tokens: int = Field(96, ge=8)
+    temperature: float = Field(0.0, ge=0.0, description="temperature of the target's answers")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus for sampled answers/prompts")
+    max_prompt_tokens: int = Field(384, ge=8)
+    max_new_tokens: int = Field(384, ge=8)
+    batch_size: int = Field(64, ge=1, description="sequences generated side by side")
+    system: str | None = Field(None, description="system message for the chat template")
+    cache_dir: str | None = Field(
+        None, description="where samples are cached (default: <home>/train/<name>/data)"
+    )
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _some_prompts(self) -> DataSpec:
+        if not self.prompts and not self.self_prompts:
+            raise ValueError("data needs prompt files or self_prompts > 0")
+        return self
+
+
+class LossSpec(_Strict):
+    ce: float = Field(1.0, ge=0.0, description="cross entropy on the target's tokens")
+    l1: float = Field(
+        1.0, ge=0.0, description="DSpark: L1 distance of the drafter's and target's distributions"
+    )
+    confidence: float = Field(0.5, ge=0.0, description="DSpark: BCE of the confidence head")
+    decay_gamma: float | None = Field(
+        None, gt=0.0, description="position decay exp(-j/gamma) (default: DSpark 4, DFlash 7)"
+    )
+
+
+class TrainSpec(_Strict):
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(16, ge=1, description="sequences per step")
+    seq_len: int = Field(512, ge=16, description="sequences are cut/padded to this many tokens")
+    anchors_per_seq: int = Field(32, ge=1, description="blocks sampled per sequence per step")
+    lr: float = Field(6e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr * this")
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="drafter compute dtype: auto = float32 on CPU, bfloat16 on GPUs"
+    )
+    loss: LossSpec = LossSpec()
+    checkpoint_every: int = Field(250, ge=1)
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+    compile: bool = Field(True, description="mx.compile the step (off: easier debugging)")
+
+
+class EvalSpec(_Strict):
+    prompts: list[PromptFile] = Field(default_factory=list)
+    max_new_tokens: int = Field(128, ge=1)
+    every: int | None = Field(None, ge=1, description="also evaluate every N steps (slow)")
+
+
+class ExportSpec(_Strict):
+    quantize: Literal[4, 8] | None = Field(
+        4, description="bits of the shipped matrices (embedding included); null keeps floats"
+    )
+    group_size: Literal[32, 64, 128] = 32
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class TrainRecipe(_Strict):
+    version: Literal[1] = 1
+    name: str = Field(description="names the output and cache directories")
+    description: str | None = None
+    target: TrainTarget = TrainTarget()
+    drafter: DrafterArch = DrafterArch()
+    data: DataSpec
+    train: TrainSpec = TrainSpec()
+    eval: EvalSpec = EvalSpec()
+    export: ExportSpec = ExportSpec()
+    output: str | None = Field(None, description="drafter directory (default: ./drafters/<name>)")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", value):
+            raise ValueError(f"name {value!r}: letters, digits, '.', '_' and '-' only")
+        return value
+
+    def output_dir(self) -> Path:
+        return Path(self.output) if self.output else Path("drafters") / self.name
+
+    def decay_gamma(self) -> float:
+        if self.train.loss.decay_gamma is not None:
+            return self.train.loss.decay_gamma
+        return 4.0 if self.drafter.kind == "dspark" else 7.0
+
+
+def _resolve_paths(recipe: TrainRecipe, base: Path) -> None:
+    """Prompt files, data cache and output are relative to the recipe file's directory."""
+
+    def resolved(path: str) -> str:
+        p = Path(path).expanduser()
+        return str(p if p.is_absolute() else (base / p).resolve())
+
+    for spec in [*recipe.data.prompts, *recipe.eval.prompts]:
+        spec.path = resolved(spec.path)
+    if recipe.output:
+        recipe.output = resolved(recipe.output)
+    if recipe.data.cache_dir:
+        recipe.data.cache_dir = resolved(recipe.data.cache_dir)
+
+
+def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
+    missing = [
+        f"{source} data.prompts[{i}].path: prompt file not found: {p.path}"
+        for i, p in enumerate(recipe.data.prompts)
+        if not Path(p.path).is_file()
+    ] + [
+        f"{source} eval.prompts[{i}].path: prompt file not found: {p.path}"
+        for i, p in enumerate(recipe.eval.prompts)
+        if not Path(p.path).is_file()
+    ]
+    if missing:
+        raise RecipeError(missing)
+
+
+def loads_train_recipe(
+    text: str,
+    source: str = "<train recipe>",
+    overrides: list[str] | None = None,
+    base: Path | None = None,
+) -> TrainRecipe:
+    from dspark_flow.recipe.load import _Located, _pydantic_problems, apply_overrides
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{source}{pos} malformed YAML: {reason}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source} a training recipe is a mapping, got {type(data).__name__}")
+    overridden = apply_overrides(data, overrides or [])
+    where = _Located(source, root, overridden)
+    try:
+        recipe = TrainRecipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(_pydantic_problems(exc, where, ())) from None
+    _resolve_paths(recipe, base or Path.cwd())
+    check_prompt_files(recipe, source)
+    return recipe
+
+
+def load_train_recipe(path: str | Path, overrides: list[str] | None = None) -> TrainRecipe:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: training recipe not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read training recipe ({exc})") from None
+    return loads_train_recipe(text, str(path), overrides, base=path.resolve().parent)
+
+
+def target_dims(target: Any) -> dict[str, Any]:
+    """The target's width, depth and attention shape (what a drafter copies by default)."""
+    from dspark_flow.models.taps import find_layers, target_hidden_size, target_vocab_size
+
+    args = getattr(target, "args", None)
+    hidden = target_hidden_size(target)
+    heads = int(getattr(args, "num_attention_heads", 0) or max(1, hidden // 64))
+    return {
+        "hidden_size": hidden,
+        "num_layers": len(find_layers(target)),
+        "vocab_size": target_vocab_size(target),
+        "num_heads": heads,
+        "num_kv_heads": int(getattr(args, "num_key_value_heads", 0) or heads),
+        "head_dim": int(getattr(args, "head_dim", 0) or hidden // heads),
+        "intermediate_size": int(getattr(args, "intermediate_size", 0) or 4 * hidden),
+        "rms_norm_eps": float(getattr(args, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(getattr(args, "rope_theta", 10000.0)),
+        "max_position_embeddings": int(getattr(args, "max_position_embeddings", 0) or 8192),
+    }
+
+
+def check_against_target(recipe: TrainRecipe, target: Any) -> dict[str, Any]:
+    """Refuse a drafter that cannot read this target; returns the target's dims."""
+    dims = target_dims(target)
+    arch = recipe.drafter
+    if arch.hidden_size is not None and arch.hidden_size != dims["hidden_size"]:
+        raise ConfigError(
+            f"drafter.hidden_size {arch.hidden_size} does not match the target's width "
+            f"{dims['hidden_size']} ({recipe.target.model}): a drafter reads the target's hidden "
+            "states and shares its embedding width"
+        )
+    depth = dims["num_layers"]
+    bad = [i for i in arch.target_layer_ids if i >= depth]
+    if bad:
+        raise ConfigError(
+            f"drafter.target_layer_ids {bad} out of range: {recipe.target.model} has {depth} "
+            f"layers (ids -1..{depth - 1})"
+        )
+    heads = arch.num_heads or dims["num_heads"]
+    kv = arch.num_kv_heads or dims["num_kv_heads"]
+    if heads % kv:
+        raise ConfigError(f"drafter num_heads {heads} is not a multiple of num_kv_heads {kv}")
+    return dims

@@ -1,0 +1,185 @@
+"""`dspark-flow train RECIPE`: data -> train -> export -> evaluate, each stage resumable.
+
+The frozen target is loaded once (float32 on CPU, bfloat16 on GPUs) and serves both data
+generation and training; evaluation loads it again in the product's runtime format (what users
+decode with), so the τ it reports is the τ they get.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dspark_flow.log import get_logger
+from dspark_flow.training.recipe import TrainRecipe, check_against_target
+
+log = get_logger(__name__)
+STAGES = ("data", "train", "export", "eval")
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    from dspark_flow.models.backend import backend_name
+
+    backend = backend_name()
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+    except Exception:  # device_info is backend-specific; a name is a nicety
+        info = {}
+    name = (
+        info.get("device_name")
+        or info.get("architecture")
+        or platform.processor()
+        or platform.machine()
+    )
+    return f"{backend} ({name}, mlx {mx.__version__})"
+
+
+def run_training(
+    recipe: TrainRecipe,
+    *,
+    stages: tuple[str, ...] = STAGES,
+    fresh: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run the named stages; returns a summary (also written as train_summary.json)."""
+    from dspark_flow.models.loading import load
+    from dspark_flow.training.data import build_dataset, load_samples
+    from dspark_flow.training.evaluate import evaluate_drafter, format_eval
+    from dspark_flow.training.export import size_mb
+    from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
+
+    t_start = time.perf_counter()
+    summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
+    target, tok = load(
+        recipe.target.model, training_weight_format(recipe.target.weights), recipe.target.revision
+    )
+    check_against_target(recipe, target)  # a drafter that cannot fit fails before any work
+    trainer = DrafterTrainer(recipe, progress=progress)
+    out = recipe.output_dir()
+    # Stages run in separate calls (data and training on a GPU, evaluation elsewhere) add to
+    # one summary: keep what earlier runs recorded.
+    previous: dict[str, Any] = {}
+    if (out / "train_summary.json").is_file():
+        previous = json.loads((out / "train_summary.json").read_text())
+    if "data" in stages or "train" in stages:
+        t0 = time.perf_counter()
+        cache = build_dataset(recipe, target, tok, progress=progress)
+        samples = load_samples(cache)
+        summary["data"] = {
+            "samples": len(samples),
+            "tokens": int(sum(len(s.tokens) for s in samples)),
+            "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in samples)),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "cache": str(cache),
+        }
+        log.info("data ready", **summary["data"])
+    if "train" in stages:
+        trainer.warm_up(target, tok)
+        if fresh:
+            trainer.clear_checkpoints()
+        elif trainer.resume():
+            summary["resumed_from_step"] = trainer.step
+        t0 = time.perf_counter()
+        result = trainer.train(samples)
+        summary["train"] = {
+            "steps": result.step,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "last": result.last,
+            "checkpoints": str(trainer.checkpoints),
+        }
+    if "export" in stages:
+        if trainer.model is None:
+            trainer.warm_up(target, tok)
+        summary["exported_step"] = trainer.load_weights_from()
+        trainer.export(work_dir(recipe) / "float", quantize=None)
+        trainer.export(out)
+        summary["size_mb"] = round(size_mb(out), 2)
+    if "eval" in stages and recipe.eval.prompts:
+        if not (out / "config.json").is_file():
+            from dspark_flow.errors import DsparkFlowError
+
+            raise DsparkFlowError(
+                f"nothing to evaluate: {out} has no drafter (run the train stage)"
+            )
+        del target
+        runtime, rtok = load(recipe.target.model, "auto", recipe.target.revision)
+        summary["eval"] = {}
+        for label, path in (("shipped", out), ("float", work_dir(recipe) / "float")):
+            if (path / "config.json").is_file():
+                summary["eval"][label] = evaluate_drafter(
+                    runtime,
+                    rtok,
+                    path,
+                    recipe.eval.prompts,
+                    max_new_tokens=recipe.eval.max_new_tokens,
+                    progress=progress,
+                )
+                print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
+    summary["seconds"] = round(time.perf_counter() - t_start, 1)
+    summary = {**previous, **summary}
+    if out.is_dir():
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_card(recipe, summary, out)
+    return summary
+
+
+def _write_card(recipe: TrainRecipe, summary: dict[str, Any], out: Path) -> None:
+    """The model card (README.md): what was trained, on what, how long, and what it reaches."""
+    from dspark_flow.training.evaluate import format_eval
+
+    prev = out / "README.md"
+    d, a = recipe.data, recipe.drafter
+    files = "\n".join(
+        f"- `{Path(p.path).name}`"
+        + (f" lines {p.lines}" if p.lines else "")
+        + (f" (at most {p.limit})" if p.limit else "")
+        for p in d.prompts
+    )
+    data = summary.get("data") or {}
+    train = summary.get("train") or {}
+    ev = summary.get("eval") or {}
+    parts = [
+        f"# {recipe.name}",
+        "",
+        f"A {a.kind} drafter for `{recipe.target.model}`, trained by `dspark-flow train`.",
+        "",
+        "## Architecture",
+        f"{a.num_layers} layers, block {a.block_size} ({a.drafts_per_round} drafts per round), taps at target layers "
+        f"{a.target_layer_ids}, Markov rank {a.markov_rank}, confidence head {'on' if a.confidence_head else 'off'}. "
+        f"Shipped with matrices at {recipe.export.quantize or 'full'}-bit (group {recipe.export.group_size}), "
+        f"{summary.get('size_mb', '?')} MB.",
+        "",
+        "## Data (self-distilled)",
+        f"The target answered these prompts with its own chat template at temperature {d.temperature} "
+        f"(at most {d.max_new_tokens} new tokens), plus {d.self_prompts} prompts it wrote itself (Magpie-style, "
+        f"temperature {d.self_prompt_temperature}):",
+        files or "- (none)",
+        "",
+        f"Samples: {data.get('samples', '?')}, tokens: {data.get('tokens', '?')} (answers: {data.get('answer_tokens', '?')}).",
+        "",
+        "## Training",
+        f"{train.get('steps', '?')} steps of {recipe.train.batch_size} sequences x {recipe.train.anchors_per_seq} blocks "
+        f"(sequence length {recipe.train.seq_len}), AdamW lr {recipe.train.lr} (warmup {recipe.train.warmup_steps}, cosine "
+        f"to {recipe.train.min_lr_ratio}x), clip {recipe.train.grad_clip}; {train.get('seconds', '?')} s on {summary.get('device')}.",
+        "",
+        "## Acceptance (greedy, full block, held-out prompts, the product's own loop)",
+    ]
+    for label, rows in ev.items():
+        parts += ["", f"{label}:", "", format_eval(rows)]
+    parts += [
+        "",
+        "## Reproduce",
+        "```",
+        summary.get("command") or f"dspark-flow train {shlex.quote(str(recipe.name))}.yaml",
+        "```",
+        "",
+    ]
+    prev.write_text("\n".join(parts))

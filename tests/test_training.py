@@ -1,0 +1,218 @@
+"""Drafter training on CPU with the real embedded target: the batched training pass equals the
+inference drafter block by block, the loss falls, checkpoints round-trip, resume continues
+exactly, exports load, and bad training recipes fail at validation with one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from dspark_flow.errors import ConfigError, RecipeError
+from dspark_flow.training.data import Sample
+from dspark_flow.training.forward import block_hidden, rope_at
+from dspark_flow.training.recipe import (
+    DataSpec,
+    DrafterArch,
+    TrainRecipe,
+    TrainSpec,
+    check_against_target,
+    loads_train_recipe,
+)
+from dspark_flow.training.trainer import DrafterTrainer
+from tests.conftest import cli_env
+
+PROMPTS = ["What is 12 times 7?", "Write a Python function that reverses a string."]
+
+
+def small_recipe(kind: str = "dspark", **train: object) -> TrainRecipe:
+    arch = dict(kind=kind, block_size=4, num_layers=1, intermediate_size=64)
+    arch["target_layer_ids"] = [1, 15, 29]
+    if kind == "dspark":
+        arch.update(markov_rank=8, confidence_head=True)
+    settings = dict(batch_size=2, seq_len=96, anchors_per_seq=6, lr=3e-3, warmup_steps=0)
+    settings.update(train)
+    return TrainRecipe(
+        name=f"test-{kind}",
+        drafter=DrafterArch(**arch),
+        data=DataSpec(self_prompts=1),
+        train=TrainSpec(**settings),
+    )
+
+
+@pytest.fixture(scope="module")
+def samples(embedded):
+    from dspark_flow.api import greedy_generate
+
+    model, tok = embedded
+    out = []
+    for p in PROMPTS:
+        ids = list(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        )
+        res = greedy_generate(model, tok, p, max_new_tokens=40)
+        out.append(Sample(np.array(ids + res.token_ids, np.int32), len(ids), "test"))
+    return out
+
+
+def test_rope_at_matches_the_module_rope():
+    import mlx.nn as nn
+
+    rope = nn.RoPE(64, traditional=False, base=100000.0)
+    x = mx.random.normal((2, 3, 5, 64))
+    for offset in (0, 7, 301):
+        pos = mx.broadcast_to(offset + mx.arange(5)[None], (2, 5))
+        assert mx.allclose(rope_at(x, pos, 100000.0), rope(x, offset=offset), atol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_training_pass_equals_the_inference_drafter(embedded, samples, tmp_path, kind):
+    """Every block of a training batch gets the hidden states the loaded drafter computes for the
+    same anchor at inference (context = features before the anchor, one block at a time)."""
+    from dspark_flow.api import load_drafter
+    from dspark_flow.models.drafter_backbone import ContextKV
+
+    model, tok = embedded
+    trainer = DrafterTrainer(
+        small_recipe(kind, compile=False), progress=False, checkpoints=tmp_path / "c"
+    )
+    trainer.warm_up(model, tok)
+    # Training starts with zeroed residual branches; give every trainable weight random values
+    # so attention and the MLP really contribute to what is compared.
+    mx.random.seed(3)
+    trainer.model.update(
+        tree_map(lambda p: 0.05 * mx.random.normal(p.shape), trainer.model.trainable_parameters())
+    )
+    batch = trainer.batch(samples, 0)
+    feats, _ = trainer._target_pass(mx.array(batch.tokens), mx.array(batch.aligned))
+    hidden = block_hidden(
+        trainer.model,
+        feats,
+        trainer._embed(mx.array(batch.block_ids)),
+        mx.array(batch.block_pos),
+        mx.array(batch.mask),
+    )
+    out = trainer.export(tmp_path / "drafter", quantize=None, dtype="float32")
+    drafter = load_drafter(str(out), model, quantize=None)
+    bs = drafter.spec.block_size
+    checked = 0
+    for i in range(batch.tokens.shape[0]):
+        for n in range(batch.labels.shape[1]):
+            if batch.weights[i, n, 0] == 0:
+                continue
+            anchor = int(batch.block_pos[i, n * bs])
+            state = ContextKV(len(drafter.model.layers))
+            drafter.model.extend_context(state, feats[i : i + 1, :anchor])
+            ids = mx.array(batch.block_ids[i, n * bs : (n + 1) * bs])
+            want = drafter.model(state, drafter.embed(ids)[None])[0]
+            got = hidden[i, n * bs : (n + 1) * bs]
+            assert mx.allclose(got, want, atol=2e-4, rtol=1e-3).item(), (i, n)
+            checked += 1
+    assert checked >= 6
+
+
+def test_loss_falls_checkpoints_round_trip_and_resume_continues(embedded, samples, tmp_path):
+    model, tok = embedded
+    recipe = small_recipe("dspark", steps=10, checkpoint_every=3)
+    straight = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "a").warm_up(
+        model, tok
+    )
+    result = straight.train(samples)
+    first, last = straight.history[0]["loss"], result.last["loss"]
+    assert result.step == 10 and last < first, (first, last)
+
+    # Interrupted at step 7, then resumed in a fresh trainer: same weights as the straight run.
+    part = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "b").warm_up(model, tok)
+    part.train(samples, steps=7)
+    saved = sorted(p.name for p in (tmp_path / "b").glob("step_*"))
+    assert saved == ["step_0000006", "step_0000007"]
+    resumed = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "b").warm_up(model, tok)
+    assert resumed.resume() and resumed.step == 7
+    got = dict(tree_flatten(resumed.model.parameters()))
+    want = dict(tree_flatten(part.model.parameters()))
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)  # round trip is exact
+    resumed.train(samples)
+    assert resumed.step == 10
+    a = dict(tree_flatten(straight.model.parameters()))
+    b = dict(tree_flatten(resumed.model.parameters()))
+    worst = max(float(mx.abs(a[k] - b[k]).max()) for k in a)
+    assert worst < 1e-5, worst
+
+
+def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
+    model, tok = embedded
+    DrafterTrainer(small_recipe("dflash", steps=2), progress=False, checkpoints=tmp_path).warm_up(
+        model, tok
+    ).train(samples)
+    other = DrafterTrainer(
+        small_recipe("dflash", steps=2, lr=1e-4), progress=False, checkpoints=tmp_path
+    )
+    with pytest.raises(Exception, match="different version of recipe"):
+        other.warm_up(model, tok).resume()
+
+
+def test_quantized_export_loads_and_stays_lossless(embedded, samples, tmp_path):
+    from dspark_flow.api import greedy_generate, load_drafter, speculative_generate
+
+    model, tok = embedded
+    trainer = DrafterTrainer(
+        small_recipe("dspark", steps=3), progress=False, checkpoints=tmp_path / "c"
+    )
+    trainer.warm_up(model, tok).train(samples)
+    out = trainer.export(tmp_path / "q")  # the recipe's default: 4-bit, group 32
+    drafter = load_drafter(str(out), model)
+    want = greedy_generate(model, tok, PROMPTS[0], max_new_tokens=30).token_ids
+    got = speculative_generate(
+        model, tok, drafter, PROMPTS[0], max_new_tokens=30, max_draft_tokens=None
+    )
+    assert got.token_ids == want
+
+
+# -- bad training recipes: one clear line each, before any work -----------------------------------
+
+
+def _recipe_text(**drafter: object) -> str:
+    arch = "".join(f"\n  {k}: {v}" for k, v in drafter.items())
+    return f"name: bad\ndrafter:\n  kind: dspark{arch}\ndata:\n  self_prompts: 4\n"
+
+
+def test_block_size_zero_fails_validation():
+    with pytest.raises(RecipeError) as e:
+        loads_train_recipe(_recipe_text(block_size=0), "r.yaml")
+    assert "drafter.block_size" in str(e.value) and "at least 1" in str(e.value)
+    assert str(e.value).startswith("r.yaml:")
+
+
+def test_missing_prompt_file_fails_validation(tmp_path):
+    text = "name: bad\ndata:\n  prompts:\n    - {path: nowhere.jsonl}\n"
+    with pytest.raises(RecipeError, match=r"data.prompts\[0\].path: prompt file not found"):
+        loads_train_recipe(text, "r.yaml", base=tmp_path)
+
+
+def test_width_mismatch_fails_before_any_work(embedded):
+    model, _ = embedded
+    recipe = loads_train_recipe(_recipe_text(hidden_size=512), "r.yaml")
+    with pytest.raises(ConfigError, match="hidden_size 512 does not match the target's width 576"):
+        check_against_target(recipe, model)
+
+
+def test_cli_reports_a_bad_training_recipe_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_recipe_text(block_size=0) + "train:\n  stepz: 3\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_flow.cli.main", "train", str(bad)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=Path(__file__).parent,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), proc.stderr
+    assert "block_size" in lines[0] and "train.stepz: unknown field" in lines[1]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,161 @@
+"""Self-distilled training data: prompt files, Magpie self prompts, the batched answer loop
+(equal to plain greedy decoding), and the resumable shard cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark_flow.errors import DsparkFlowError, RecipeError
+from dspark_flow.training import data as tdata
+from dspark_flow.training.recipe import PromptFile, TrainRecipe
+
+PROMPTS = ["What is 7 times 8?", "Name three primary colors.", "Say hello in French."]
+MAX_NEW = 12
+
+
+def _jsonl(path, objs, blank_after: int | None = None):
+    lines = [json.dumps(o) for o in objs]
+    if blank_after is not None:
+        lines.insert(blank_after, "")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_read_prompts_ranges_and_limit(tmp_path):
+    objs = [{"turns": [f"q{i}", "a later turn"]} for i in range(1, 6)] + [{"prompt": "q6"}]
+    f = _jsonl(tmp_path / "set.jsonl", objs, blank_after=2)  # ranges count non-empty lines
+    read = tdata.read_prompts
+    assert read(PromptFile(path=str(f))) == ["q1", "q2", "q3", "q4", "q5", "q6"]
+    assert read(PromptFile(path=str(f), lines="2-4")) == ["q2", "q3", "q4"]
+    assert read(PromptFile(path=str(f), lines="5-")) == ["q5", "q6"]
+    assert read(PromptFile(path=str(f), lines="-2")) == ["q1", "q2"]
+    assert read(PromptFile(path=str(f), lines="2-", limit=2)) == ["q2", "q3"]
+    assert read(PromptFile(path=str(f), limit=1)) == ["q1"]
+
+
+def test_read_prompts_errors(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"turns": ["ok"]}\n\n{"turns": ["ok"]\n{"turns": ["fine"]}\n', encoding="utf-8")
+    with pytest.raises(RecipeError) as err:
+        tdata.read_prompts(PromptFile(path=str(f)))
+    msg = str(err.value)
+    assert "\n" not in msg and f"{f}:3: bad JSON" in msg
+    # Lines outside the range are not read.
+    assert tdata.read_prompts(PromptFile(path=str(f), lines="1-1")) == ["ok"]
+
+    g = _jsonl(tmp_path / "shape.jsonl", [{"turns": []}])
+    with pytest.raises(RecipeError, match=rf"{g.name}:1: expected"):
+        tdata.read_prompts(PromptFile(path=str(g)))
+    with pytest.raises(DsparkFlowError, match="cannot read prompt file"):
+        tdata.read_prompts(PromptFile(path=str(tmp_path / "missing.jsonl")))
+
+
+def _recipe(tmp_path, **data) -> TrainRecipe:
+    f = _jsonl(tmp_path / "tiny.jsonl", [{"turns": [p]} for p in PROMPTS])
+    spec = {
+        "prompts": [{"path": str(f)}],
+        "self_prompts": 2,
+        "self_prompt_max_tokens": 24,
+        "max_new_tokens": MAX_NEW,
+        "batch_size": 8,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    spec.update(data)
+    return TrainRecipe.model_validate({"name": "tiny", "data": spec})
+
+
+@pytest.fixture(scope="module")
+def built(embedded, tmp_path_factory):
+    model, tok = embedded
+    tmp = tmp_path_factory.mktemp("data")
+    recipe = _recipe(tmp)
+    cache = tdata.build_dataset(recipe, model, tok, progress=False)
+    return recipe, cache
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = tdata.generate_batch
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tdata, "generate_batch", counting)
+    return calls
+
+
+@pytest.mark.slow
+def test_build_matches_plain_greedy(embedded, built):
+    from dspark_flow.api import greedy_generate
+
+    model, tok = embedded
+    recipe, cache = built
+    assert cache == tdata.data_cache_dir(recipe)
+    samples = tdata.load_samples(cache)
+    assert sorted(s.source for s in samples) == ["self", "self", "tiny", "tiny", "tiny"]
+
+    selfs = [
+        json.loads(x)["prompt"] for x in (cache / "self_prompts.jsonl").read_text().splitlines()
+    ]
+    assert len(selfs) == 2 and all(len(p) >= tdata.MIN_SELF_PROMPT_CHARS for p in selfs)
+    expected = {
+        tuple(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+        for p in PROMPTS + selfs
+    }
+    assert {tuple(s.tokens[: s.prompt_len].tolist()) for s in samples} == expected
+
+    eos = set(tdata._eos_ids(tok).tolist())
+    for s in samples:
+        assert s.tokens.dtype.name == "int32"
+        answer = s.tokens[s.prompt_len :].tolist()
+        ref = greedy_generate(model, tok, s.tokens[: s.prompt_len].tolist(), max_new_tokens=MAX_NEW)
+        if ref.finish_reason == "stop":  # ended on EOS: the sample keeps the EOS id
+            assert answer[-1] in eos
+            answer = answer[:-1]
+        else:
+            assert len(answer) == MAX_NEW and not eos & set(answer)
+        assert answer == list(ref.token_ids), tok.decode(s.tokens.tolist())
+
+
+@pytest.mark.slow
+def test_rerun_resumes_without_generating(embedded, built, monkeypatch):
+    model, tok = embedded
+    recipe, cache = built
+    shards = sorted(cache.glob("shard_*.npz"))
+    assert shards
+    stamps = {p: p.stat().st_mtime_ns for p in shards}
+    calls = _spy(monkeypatch)
+    assert tdata.build_dataset(recipe, model, tok, progress=False) == cache
+    assert calls == []
+    assert {p: p.stat().st_mtime_ns for p in sorted(cache.glob("shard_*.npz"))} == stamps
+
+    # An interrupted run (one shard lost) regenerates just that shard.
+    shards[0].unlink()
+    with pytest.raises(DsparkFlowError, match="incomplete"):
+        tdata.load_samples(cache)
+    tdata.build_dataset(recipe, model, tok, progress=False)
+    assert calls and len(tdata.load_samples(cache)) == 5
+
+
+@pytest.mark.slow
+def test_changed_key_regenerates(embedded, built, monkeypatch):
+    model, tok = embedded
+    recipe, cache = built
+    before = {s.tokens[: s.prompt_len].tobytes(): s for s in tdata.load_samples(cache)}
+    changed = recipe.model_copy(deep=True)
+    changed.data.max_new_tokens = 8
+    calls = _spy(monkeypatch)
+    tdata.build_dataset(changed, model, tok, progress=False)
+    assert sum(calls) == 5  # answers only: the self prompts are still valid and reused
+    after = tdata.load_samples(cache)
+    assert len(after) == 5
+    for s in after:
+        old = before[s.tokens[: s.prompt_len].tobytes()]
+        answer = s.tokens[s.prompt_len :].tolist()
+        assert answer == old.tokens[old.prompt_len :].tolist()[:8] or len(answer) < 8
+        assert len(answer) <= 8
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["chunks"] == len(list(cache.glob("shard_*.npz")))
