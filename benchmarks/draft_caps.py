@@ -85,7 +85,11 @@ def machine() -> dict[str, Any]:
 
 
 def plot_curves(curves: Any, path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine has no matplotlib: the curves are in results.json
+        print(f"matplotlib missing: {path.name} not drawn", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
