@@ -9,6 +9,8 @@
 #   carry [.stage/part_02, .stage/unstage.sh]:
 #       cp .stage/part_02 /root/stage/ && source .stage/unstage.sh && bash benchmarks/train_device.sh data
 #   then: bash benchmarks/train_device.sh train dspark  (and dflash), bash benchmarks/train_device.sh bench
+# (bench wants the drafters in the tree: with them the tree is ~36 MB, so stage the payload with
+#  a small last part, and carry the big parts while they are not in the tree.)
 #
 # Each call copies what it made into $OUT (at most 8 files of 16 MiB come back): logs, the
 # drafter directories as drafters.tar split into 15 MiB parts; unpack here with
@@ -47,5 +49,18 @@ case "${1:-}" in
     tail -30 "$OUT/train-$kind.log"
     pack "smollm2-135m-$kind"
     ;;
-  *) echo "usage: $0 data | train dspark|dflash [--set K=V ...]" >&2; exit 2 ;;
+  bench)  # the shipped drafters against greedy on held-out prompts, and the draft-cap sweeps
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-6}"
+    timeout "${BENCH_S:-170}" python3 -P -m dspark_flow.cli.main bench recipes/dspark.yaml recipes/dflash.yaml \
+      --prompts /tmp/heldout.jsonl --trials "${TRIALS:-1}" --max-tokens 128 --no-mlx-lm --no-verify-cost \
+      --no-plots --set 'draft_cap={kind: full_block}' --out /tmp/bench --quiet || echo "bench cut short"
+    cp /tmp/bench/bench.md /tmp/bench/bench.json "$OUT/" 2>/dev/null || true
+    for d in ${SWEEPS:-lookup dspark}; do
+      timeout "${SWEEP_S:-150}" python3 -P benchmarks/draft_caps.py --drafter "$d" --trials 2 \
+        --out "/tmp/dc-$d" > "/tmp/dc-$d.log" 2>&1 || echo "sweep $d cut short"
+      cp "/tmp/dc-$d/table.md" "$OUT/dc-$d.md" 2>/dev/null; cp "/tmp/dc-$d/results.json" "$OUT/dc-$d.json" 2>/dev/null
+      tail -3 "/tmp/dc-$d.log"
+    done
+    ;;
+  *) echo "usage: $0 data | train dspark|dflash [--set K=V ...] | bench" >&2; exit 2 ;;
 esac

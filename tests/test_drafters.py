@@ -560,7 +560,7 @@ def test_wrong_kind_for_the_layout_names_the_right_one(tmp_path, tiny4):
 # -- the drafter table and the API ---------------------------------------------------------------
 
 
-def test_drafter_table_matches_any_quant_of_a_target():
+def test_drafter_table_matches_any_quant_of_a_target(monkeypatch):
     assert target_key("mlx-community/Qwen3-8B-8bit") == target_key("Qwen/Qwen3-8B") == "qwen3-8b"
     for ref in (
         "mlx-community/Qwen3-8B-8bit",
@@ -576,8 +576,13 @@ def test_drafter_table_matches_any_quant_of_a_target():
         resolve_target("z-lab/Qwen3.8-27B-DFlash2")["example_target"]
         == "mlx-community/Qwen3.8-27B-4bit"
     )
+    assert resolve_drafter("builtin:smollm2-135m")["drafter"] == "builtin:smollm2-135m-dspark"
+    unpublished = [
+        {"targets": ["x-1b"], "drafter": "o/x-1b-dspark", "kind": "dspark", "available": False}
+    ]
+    monkeypatch.setattr("dspark_flow.models.drafter_loading.drafter_table", lambda: unpublished)
     with pytest.raises(ConfigError, match="not published yet"):
-        resolve_drafter("builtin:smollm2-135m")
+        resolve_drafter("org/x-1b-4bit")
     with pytest.raises(ConfigError, match="no trained drafter is known"):
         resolve_drafter("someone/unknown-model-4bit")
 

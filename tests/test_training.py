@@ -216,3 +216,39 @@ def test_cli_reports_a_bad_training_recipe_in_one_line(tmp_path):
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), proc.stderr
     assert "block_size" in lines[0] and "train.stepz: unknown field" in lines[1]
     assert "Traceback" not in proc.stderr
+
+
+# -- the drafters shipped in the wheel -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_shipped_drafters_load_fit_the_size_limit_and_stay_lossless(embedded, kind):
+    from dspark_flow.api import greedy_generate, load_drafter, speculative_generate
+    from dspark_flow.models.loading import resolve_model_path
+
+    model, tok = embedded
+    ref = f"builtin:smollm2-135m-{kind}"
+    path = resolve_model_path(ref)
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 40 * 2**20
+    drafter = load_drafter(ref, model)
+    assert drafter.config.kind == kind and drafter.max_draft == 7
+    for prompt in (
+        "Natalia sold 48 clips in April and half as many in May. How many in all?",
+        PROMPTS[1],
+    ):
+        want = greedy_generate(model, tok, prompt, max_new_tokens=48).token_ids
+        got = speculative_generate(
+            model, tok, drafter, prompt, max_new_tokens=48, max_draft_tokens=None
+        )
+        assert got.token_ids == want
+        assert got.mean_accept_len > 1.0  # the trained drafter does get tokens accepted
+
+
+def test_the_embedded_target_resolves_to_its_shipped_drafter():
+    from dspark_flow.models.drafter_loading import resolve_drafter
+
+    assert resolve_drafter("builtin:smollm2-135m")["drafter"] == "builtin:smollm2-135m-dspark"
+    assert (
+        resolve_drafter("builtin:smollm2-135m", "dflash")["drafter"]
+        == "builtin:smollm2-135m-dflash"
+    )

@@ -324,8 +324,9 @@ def _check_quantized_shapes(
     out_dim, in_dim = shape
     claim = f"{params['bits']}-bit group-{params['group_size']} {params['mode']}"
     try:  # one row tells the packed widths (and whether the claim is a valid quantization)
-        row = mx.quantize(mx.zeros((1, in_dim)), **params)
-    except (ValueError, RuntimeError) as e:
+        with mx.stream(mx.cpu):  # MLX CUDA's quantize fails on a single row (IndexError)
+            row = mx.quantize(mx.zeros((1, in_dim)), **params)
+    except (ValueError, RuntimeError, IndexError) as e:
         raise ModelError(
             f"drafter checkpoint {where}: {path}.scales claims {claim} quantization, which does "
             f"not fit {path} ({out_dim} x {in_dim}): {str(e).splitlines()[0]}"

@@ -70,7 +70,9 @@ def _quantizable(module: nn.Module, group: int) -> bool:
     if not isinstance(module, (nn.Linear, nn.Embedding)):
         return False
     out_dim, in_dim = module.weight.shape
-    return in_dim % group == 0 and out_dim >= group
+    # A single-group row (the Markov head's rank-32 factors) stays float: MLX 0.32's CUDA
+    # quantized kernels fail on it ("SmallVector out of range"), and it is small anyway.
+    return in_dim % group == 0 and in_dim > group and out_dim >= group
 
 
 def export_weights(

@@ -79,6 +79,7 @@ def run_training(
             "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in samples)),
             "seconds": round(time.perf_counter() - t0, 1),
             "cache": str(cache),
+            "device": summary["device"],
         }
         log.info("data ready", **summary["data"])
     if "train" in stages:
@@ -94,6 +95,8 @@ def run_training(
             "seconds": round(time.perf_counter() - t0, 1),
             "last": result.last,
             "checkpoints": str(trainer.checkpoints),
+            "device": summary["device"],
+            "command": command,
         }
     if "export" in stages:
         if trainer.model is None:
@@ -112,6 +115,7 @@ def run_training(
         del target
         runtime, rtok = load(recipe.target.model, "auto", recipe.target.revision)
         summary["eval"] = {}
+        summary["eval_device"], summary["eval_command"] = summary["device"], command
         for label, path in (("shipped", out), ("float", work_dir(recipe) / "float")):
             if (path / "config.json").is_file():
                 summary["eval"][label] = evaluate_drafter(
@@ -127,14 +131,16 @@ def run_training(
     summary = {**previous, **summary}
     if out.is_dir():
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _write_card(recipe, summary, out)
+        write_card(recipe, out)
     return summary
 
 
-def _write_card(recipe: TrainRecipe, summary: dict[str, Any], out: Path) -> None:
-    """The model card (README.md): what was trained, on what, how long, and what it reaches."""
+def write_card(recipe: TrainRecipe, out: Path) -> None:
+    """The model card (README.md) from out/train_summary.json: what was trained, on what, how
+    long, and what it reaches."""
     from dspark_flow.training.evaluate import format_eval
 
+    summary = json.loads((out / "train_summary.json").read_text())
     prev = out / "README.md"
     d, a = recipe.data, recipe.drafter
     files = "\n".join(
@@ -168,18 +174,19 @@ def _write_card(recipe: TrainRecipe, summary: dict[str, Any], out: Path) -> None
         "## Training",
         f"{train.get('steps', '?')} steps of {recipe.train.batch_size} sequences x {recipe.train.anchors_per_seq} blocks "
         f"(sequence length {recipe.train.seq_len}), AdamW lr {recipe.train.lr} (warmup {recipe.train.warmup_steps}, cosine "
-        f"to {recipe.train.min_lr_ratio}x), clip {recipe.train.grad_clip}; {train.get('seconds', '?')} s on {summary.get('device')}.",
+        f"to {recipe.train.min_lr_ratio}x), clip {recipe.train.grad_clip}; {train.get('seconds', '?')} s on {train.get('device', '?')}.",
         "",
         "## Acceptance (greedy, full block, held-out prompts, the product's own loop)",
+        "",
+        f"Measured on {summary.get('eval_device', '?')}; 'float' is the same drafter unquantized.",
     ]
+    if summary.get("notes"):
+        parts += ["", *(f"- {note}" for note in summary["notes"])]
     for label, rows in ev.items():
         parts += ["", f"{label}:", "", format_eval(rows)]
-    parts += [
-        "",
-        "## Reproduce",
-        "```",
-        summary.get("command") or f"dspark-flow train {shlex.quote(str(recipe.name))}.yaml",
-        "```",
-        "",
-    ]
+    parts += ["", "## Reproduce", "```"]
+    parts.append(train.get("command") or f"dspark-flow train {shlex.quote(recipe.name)}.yaml")
+    if summary.get("eval_command") and summary.get("eval_command") != train.get("command"):
+        parts.append(summary["eval_command"])
+    parts += ["```", ""]
     prev.write_text("\n".join(parts))
