@@ -38,7 +38,7 @@ case "${1:-}" in
     df train recipes/train/smollm2-135m-dspark.yaml --stage data --quiet --log-level info 2>&1 | tee -a "$OUT/data.log" | tail -5
     for kind in dspark dflash; do  # 30 steps each into a scratch dir: how many fit in a call
       df train "recipes/train/smollm2-135m-$kind.yaml" --stage train --quiet --log-level info --fresh \
-        --set train.steps=30 --set train.log_every=10 --set output=/tmp/timing-$kind 2>&1 \
+        --set train.steps=30 --set train.log_every=10 --set name=timing-$kind --set output=/tmp/timing-$kind 2>&1 \
         | grep -E "train  |trained|error" | cut -c1-260 | tee -a "$OUT/data.log"
     done
     ;;

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from dspark_flow.errors import ConfigError, RecipeError
+from dspark_flow.errors import ConfigError, DsparkFlowError, RecipeError
 from dspark_flow.training.data import Sample
 from dspark_flow.training.forward import block_hidden, rope_at
 from dspark_flow.training.recipe import (
@@ -40,7 +40,7 @@ def small_recipe(kind: str = "dspark", **train: object) -> TrainRecipe:
     return TrainRecipe(
         name=f"test-{kind}",
         drafter=DrafterArch(**arch),
-        data=DataSpec(self_prompts=1),
+        data=DataSpec(self_prompts=1, max_prompt_tokens=64),
         train=TrainSpec(**settings),
     )
 
@@ -179,6 +179,28 @@ def test_quantized_export_loads_and_stays_lossless(embedded, samples, tmp_path):
 def _recipe_text(**drafter: object) -> str:
     arch = "".join(f"\n  {k}: {v}" for k, v in drafter.items())
     return f"name: bad\ndrafter:\n  kind: dspark{arch}\ndata:\n  self_prompts: 4\n"
+
+
+def test_export_never_replaces_a_directory_that_is_not_a_drafter(embedded, tmp_path):
+    model, tok = embedded
+    trainer = DrafterTrainer(small_recipe("dflash"), progress=False, checkpoints=tmp_path / "c")
+    trainer.warm_up(model, tok)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    with pytest.raises(DsparkFlowError, match="is not a drafter directory"):
+        trainer.export(home)
+    assert (home / "notes.txt").read_text() == "mine"
+    out = trainer.export(tmp_path / "d")
+    assert trainer.export(out) == out  # a drafter directory is replaced
+    assert out.stat().st_mode & 0o005 == 0o005  # readable by others, not 0700 like mkdtemp
+
+
+def test_seq_len_inside_the_prompt_budget_fails_validation():
+    with pytest.raises(
+        RecipeError, match="train.seq_len 128 must exceed data.max_prompt_tokens 384"
+    ):
+        loads_train_recipe(_recipe_text() + "train:\n  seq_len: 128\n", "r.yaml")
 
 
 def test_block_size_zero_fails_validation():

@@ -68,9 +68,9 @@ def sample_blocks(
     anchor_pos = np.zeros((bsz, n_blk), dtype=np.int32)
     keep = np.zeros((bsz, n_blk), dtype=bool)
     for i, s in enumerate(samples):
-        # An anchor at the last prompt token predicts the first answer token: the first round
-        # after prefill drafts exactly there, so it is a valid anchor.
-        lo, hi = max(s.prompt_len - 1, 0), int(lengths[i]) - 1  # need a + 1 < length
+        # Decoding's first round anchors on the first answer token (the prefill sampled it,
+        # with the whole prompt as context), so anchors start there; a + 1 < length.
+        lo, hi = s.prompt_len, int(lengths[i]) - 1
         if hi <= lo:
             continue
         count = min(n_blk, hi - lo)

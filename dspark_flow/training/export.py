@@ -16,9 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from dspark_flow.errors import DsparkFlowError
 from dspark_flow.training.recipe import TrainRecipe
 
 WEIGHTS = "model.safetensors"
+# What an exported drafter directory holds; export replaces only such a directory.
+DRAFTER_FILES = {WEIGHTS, "config.json", "README.md", "train_summary.json"}
 
 
 def drafter_config(recipe: TrainRecipe, dims: dict[str, int], mask_token_id: int) -> dict[str, Any]:
@@ -115,8 +118,20 @@ def write_drafter(
         config["quantization"] = {"group_size": group_size, "bits": quantize, "mode": "affine"}
     weights = export_weights(model, getattr(mx, dtype), quantize, group_size)
     out = Path(out)
+    if out.exists():
+        foreign = [p.name for p in out.iterdir() if p.name not in DRAFTER_FILES]
+        if foreign or not out.is_dir():
+            raise DsparkFlowError(
+                f"output {out} exists and is not a drafter directory ({', '.join(foreign[:3]) or 'a file'}); "
+                "name a new or drafter directory in `output`"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would make the installed drafter private
+    except OSError as e:
+        raise DsparkFlowError(f"cannot write drafter to {out}: {e}") from e
     try:
         mx.save_safetensors(str(tmp / WEIGHTS), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -125,6 +140,9 @@ def write_drafter(
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DsparkFlowError(f"cannot write drafter to {out}: {e}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -212,6 +212,15 @@ class TrainRecipe(_Strict):
             raise ValueError(f"name {value!r}: letters, digits, '.', '_' and '-' only")
         return value
 
+    @model_validator(mode="after")
+    def _room_for_answers(self) -> TrainRecipe:
+        if self.train.seq_len <= self.data.max_prompt_tokens:
+            raise ValueError(
+                f"train.seq_len {self.train.seq_len} must exceed data.max_prompt_tokens "
+                f"{self.data.max_prompt_tokens}: a sequence cut inside its prompt teaches nothing"
+            )
+        return self
+
     def output_dir(self) -> Path:
         return Path(self.output) if self.output else Path("drafters") / self.name
 

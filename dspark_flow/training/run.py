@@ -50,8 +50,9 @@ def run_training(
     command: str | None = None,
 ) -> dict[str, Any]:
     """Run the named stages; returns a summary (also written as train_summary.json)."""
+    from dspark_flow.errors import DsparkFlowError
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import build_dataset, load_samples
+    from dspark_flow.training.data import build_dataset, data_cache_dir, load_samples
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
     from dspark_flow.training.export import size_mb
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
@@ -67,12 +68,20 @@ def run_training(
     # Stages run in separate calls (data and training on a GPU, evaluation elsewhere) add to
     # one summary: keep what earlier runs recorded.
     previous: dict[str, Any] = {}
-    if (out / "train_summary.json").is_file():
+    try:
         previous = json.loads((out / "train_summary.json").read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: start a fresh summary
+        previous = {}
     if "data" in stages or "train" in stages:
         t0 = time.perf_counter()
-        cache = build_dataset(recipe, target, tok, progress=progress)
-        samples = load_samples(cache)
+        cache = data_cache_dir(recipe)
+        try:  # a train-only run uses complete data as it is (never regenerates it)
+            if "data" in stages:
+                raise DsparkFlowError("data stage asked for")
+            samples = load_samples(cache)
+        except DsparkFlowError:
+            cache = build_dataset(recipe, target, tok, progress=progress)
+            samples = load_samples(cache)
         summary["data"] = {
             "samples": len(samples),
             "tokens": int(sum(len(s.tokens) for s in samples)),
@@ -107,8 +116,6 @@ def run_training(
         summary["size_mb"] = round(size_mb(out), 2)
     if "eval" in stages and recipe.eval.prompts:
         if not (out / "config.json").is_file():
-            from dspark_flow.errors import DsparkFlowError
-
             raise DsparkFlowError(
                 f"nothing to evaluate: {out} has no drafter (run the train stage)"
             )

@@ -321,6 +321,14 @@ class DrafterTrainer:
 
         if not samples:
             raise DsparkFlowError("no training samples (the data stage produced nothing)")
+        usable = sum(
+            s.prompt_len < min(len(s.tokens), self.recipe.train.seq_len) - 1 for s in samples
+        )
+        if not usable:
+            raise DsparkFlowError(
+                f"no sample has answer tokens within train.seq_len {self.recipe.train.seq_len}: "
+                "raise train.seq_len or lower data.max_prompt_tokens"
+            )
         t = self.recipe.train
         total = steps if steps is not None else t.steps
         start, t0 = self.step, time.perf_counter()
@@ -373,15 +381,19 @@ class DrafterTrainer:
         final = self.checkpoints / f"step_{self.step:07d}"
         tmp = self.checkpoints / f".tmp_step_{self.step:07d}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        mx.save_safetensors(str(tmp / WEIGHTS), dict(tree_flatten(self.model.parameters())))
-        mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(self.optimizer.state)))
-        (tmp / "config.json").write_text(json.dumps(self.config, indent=2))
-        state = {"step": self.step, "key": recipe_key(self.recipe), "history": self.history}
-        (tmp / STATE).write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            tmp.mkdir()
+            mx.save_safetensors(str(tmp / WEIGHTS), dict(tree_flatten(self.model.parameters())))
+            mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(self.optimizer.state)))
+            (tmp / "config.json").write_text(json.dumps(self.config, indent=2))
+            state = {"step": self.step, "key": recipe_key(self.recipe), "history": self.history}
+            (tmp / STATE).write_text(json.dumps(state))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except (OSError, RuntimeError) as e:  # disk full, permissions (mlx raises RuntimeError)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DsparkFlowError(f"cannot write checkpoint {final}: {e}") from e
         for old in sorted(self.checkpoints.glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -423,7 +435,14 @@ class DrafterTrainer:
         frozen = {k for k, _ in tree_flatten(self.model.parameters())} - {
             k for k, _ in tree_flatten(self.model.trainable_parameters())
         }
-        expected = {k for k, _ in tree_flatten(self.model.parameters())}
+        shapes = {k: tuple(v.shape) for k, v in tree_flatten(self.model.parameters())}
+        expected = set(shapes)
+        wrong = [k for k, v in weights.items() if k in shapes and tuple(v.shape) != shapes[k]]
+        if wrong:
+            raise DsparkFlowError(
+                f"checkpoint {ckpt} was trained with other shapes than this recipe's drafter "
+                f"({wrong[0]}: {tuple(weights[wrong[0]].shape)} vs {shapes[wrong[0]]})"
+            )
         missing = expected - set(weights) - frozen
         if missing or set(weights) - expected:
             raise DsparkFlowError(
