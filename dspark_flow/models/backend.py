@@ -148,6 +148,24 @@ def apply_weight_format(model: Any, fmt: str) -> Any:
     return dequantize_model(model, dtypes[fmt])
 
 
+def dense_weight(module: Any) -> Any:
+    """The float32 weight of a Linear/Embedding, dequantized when it is quantized (in float32,
+    as llama.cpp does: float16 scales would round every weight)."""
+    import mlx.core as mx
+
+    if "scales" not in module:
+        return module.weight.astype(mx.float32)
+    biases = module.get("biases")
+    return mx.dequantize(
+        module.weight,
+        module.scales.astype(mx.float32),
+        None if biases is None else biases.astype(mx.float32),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=getattr(module, "mode", "affine"),
+    )
+
+
 def dequantize_model(model: Any, dtype: Any) -> Any:
     """Replace every QuantizedLinear/QuantizedEmbedding of `model` by its float twin and cast the
     float parameters to `dtype` (an mx.Dtype), in place; returns it."""
@@ -158,16 +176,7 @@ def dequantize_model(model: Any, dtype: Any) -> Any:
     def dequantized(_path: str, m: Any) -> Any:
         if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return m
-        # Dequantize in float32 (as llama.cpp does): float16 scales would round every weight.
-        biases = m.get("biases")
-        w = mx.dequantize(
-            m.weight,
-            m.scales.astype(mx.float32),
-            None if biases is None else biases.astype(mx.float32),
-            group_size=m.group_size,
-            bits=m.bits,
-            mode=getattr(m, "mode", "affine"),
-        ).astype(dtype)
+        w = dense_weight(m).astype(dtype)
         if isinstance(m, nn.QuantizedEmbedding):
             new: Any = nn.Embedding(*w.shape)
         else:

@@ -212,15 +212,19 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     return loads_recipe(text, source=source, overrides=overrides)
 
 
-def loads_recipe(text: str, source: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
+def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """(data, node tree for error positions); malformed YAML is one positioned RecipeError."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError(f"{source}{pos} malformed YAML: {reason}") from None
+
+
+def loads_recipe(text: str, source: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
+    data, root = parse_yaml(text, source)
     if data is None:
         data = {}
     overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else {}

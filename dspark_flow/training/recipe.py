@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dspark_flow.errors import ConfigError, RecipeError
@@ -265,16 +264,9 @@ def loads_train_recipe(
     overrides: list[str] | None = None,
     base: Path | None = None,
 ) -> TrainRecipe:
-    from dspark_flow.recipe.load import _Located, _pydantic_problems, apply_overrides
+    from dspark_flow.recipe.load import _Located, _pydantic_problems, apply_overrides, parse_yaml
 
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"{source}{pos} malformed YAML: {reason}") from None
+    data, root = parse_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from dspark_flow.errors import DsparkFlowError
 from dspark_flow.log import get_logger
+from dspark_flow.models.backend import dense_weight
 from dspark_flow.training.blocks import BlockBatch, sample_blocks
 from dspark_flow.training.export import WEIGHTS, drafter_config, write_drafter
 from dspark_flow.training.forward import block_hidden
@@ -151,7 +152,7 @@ class DrafterTrainer:
             # DSpark's embedding (and tied head) starts as the target's, frozen, seen through the
             # export quantization so training sees the matrix that ships.
             model.embed_tokens.weight = _as_shipped(
-                _dense_weight(self.embedding), self.recipe
+                dense_weight(self.embedding), self.recipe
             ).astype(self.compute_dtype)
             model.embed_tokens.freeze()
         for layer in model.layers:
@@ -489,19 +490,6 @@ def _inner_model(target: Any) -> Any:
         if inner is not None and callable(inner):
             return inner
     raise DsparkFlowError(f"cannot find the decoder stack of {type(target).__name__} (no .model)")
-
-
-def _dense_weight(module: nn.Module) -> mx.array:
-    if isinstance(module, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
-        biases = module.get("biases")
-        return mx.dequantize(
-            module.weight,
-            module.scales.astype(mx.float32),
-            None if biases is None else biases.astype(mx.float32),
-            group_size=module.group_size,
-            bits=module.bits,
-        )
-    return module.weight.astype(mx.float32)
 
 
 def _as_shipped(w: mx.array, recipe: TrainRecipe) -> mx.array:
