@@ -201,15 +201,17 @@ def validate(
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file; raise `RecipeError` listing every problem."""
-    path = Path(path)
-    source = str(path)
+    return loads_recipe(read_recipe_text(path), source=str(path), overrides=overrides)
+
+
+def read_recipe_text(path: str | Path, what: str = "recipe") -> str:
+    """The file's text; a missing or unreadable file is one RecipeError line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError(f"{source}: recipe file not found") from None
+        raise RecipeError(f"{path}: {what} file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{source}: cannot read recipe ({exc})") from None
-    return loads_recipe(text, source=source, overrides=overrides)
+        raise RecipeError(f"{path}: cannot read {what} ({exc})") from None
 
 
 def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:

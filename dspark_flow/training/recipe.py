@@ -283,13 +283,10 @@ def loads_train_recipe(
 
 
 def load_train_recipe(path: str | Path, overrides: list[str] | None = None) -> TrainRecipe:
+    from dspark_flow.recipe.load import read_recipe_text
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: training recipe not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read training recipe ({exc})") from None
+    text = read_recipe_text(path, "training recipe")
     return loads_train_recipe(text, str(path), overrides, base=path.resolve().parent)
 
 
