@@ -219,9 +219,7 @@ class DrafterTrainer:
         if self.recipe.drafter.kind != "dspark":
             return mx.stop_gradient(feats), None
         b, n, s = aligned.shape
-        rows = mx.arange(b)[:, None]
         picked = mx.take_along_axis(hidden, aligned.reshape(b, n * s)[..., None], axis=1)
-        del rows
         logits = self.head(picked).reshape(b, n, s, -1)
         return mx.stop_gradient(feats), mx.stop_gradient(logits)
 
