@@ -10,6 +10,13 @@ over the sum of those medians. Output at T=0 is checked to equal plain greedy to
     python benchmarks/draft_caps.py                      # CPU here, or the GPU where MLX has one
     python benchmarks/draft_caps.py --quick              # smoke run
 
+It also records, per prompt, the drafter's full proposal at every position of the greedy
+output and replays every strategy on those drafts with the measured curves
+(`dspark_flow.calibration.simulate`): a noise-free, counterfactual figure. `--replay` re-runs
+that part alone from a results.json, optionally against another machine's curves:
+
+    python benchmarks/draft_caps.py --replay out/draft_caps/results.json --curves h200.json
+
 Writes results.json, table.md and verify_cost.png to --out (default out/draft_caps/).
 """
 
@@ -36,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per-category", type=int, default=2, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--trials", type=int, default=3, help="0: only calibrate and replay")
     p.add_argument("--ks", default="1-16", help="fixed k values: '1-16' or '1,2,4,8'")
     p.add_argument("--model", default=None, help="target (default: the embedded model)")
     p.add_argument(
@@ -55,6 +62,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="1 prompt per category, k in 1,4, 1 trial")
     p.add_argument("--recalibrate", action="store_true", help="measure the curves even if cached")
+    p.add_argument(
+        "--replay",
+        metavar="RESULTS",
+        help="only replay the strategies on the drafts recorded in this results.json",
+    )
+    p.add_argument(
+        "--curves",
+        metavar="JSON",
+        help="with --replay: cost curves from this results.json (e.g. another machine's)",
+    )
+    p.add_argument(
+        "--auto",
+        default="{}",
+        help="with --replay: JSON of `auto` settings to try, e.g. '{\"probe_cost\": 0.05}'",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.per_category, args.ks, args.trials = 1, "1,4", 1
@@ -114,8 +136,11 @@ def plot_curves(curves: Any, path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replay:
+        return replay_only(args)
     from dspark_flow.api import load_target
     from dspark_flow.calibration.obtain import obtain_curves
+    from dspark_flow.calibration.simulate import record_trace
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.recipe.schema import DEFAULT_MODEL
     from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
@@ -180,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     modelled: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
     drafted = {n: record_proposals(pipes[n].drafter) for n in names}
     auto_k: dict[str, Counter[int]] = defaultdict(Counter)
+    traces: list[dict[str, Any]] = []
 
     def write_report() -> str:
         mismatches = [
@@ -189,14 +215,24 @@ def main(argv: list[str] | None = None) -> int:
             if outputs[n][i] != outputs["greedy"][i]
         ]
         cats = [*CATEGORIES, "all"]
-        speed, checks = summarize(names, cats, prompts, tokens, times)
-        model_speed, model_checks = summarize(names, cats, prompts, tokens, modelled)
-        table = (
-            "Measured (wall clock, decode tok/s):\n\n"
-            + render(names, cats, speed, taus, checks, auto_k)
-            + "\n\nModelled (each round's cost from the measured curve for what it drafted; "
-            "no machine noise):\n\n" + render(names, cats, model_speed, taus, model_checks, auto_k)
-        )
+        speed: Any = {}
+        checks: Any = {}
+        model_speed: Any = {}
+        model_checks: Any = {}
+        table = ""
+        if trials_done:
+            speed, checks = summarize(names, cats, prompts, tokens, times)
+            model_speed, model_checks = summarize(names, cats, prompts, tokens, modelled)
+            table = (
+                "Measured (wall clock, decode tok/s):\n\n"
+                + render(names, cats, speed, taus, checks, auto_k)
+                + "\n\nModelled (each round's cost from the measured curve for what it "
+                "drafted; no machine noise):\n\n"
+                + render(names, cats, model_speed, taus, model_checks, auto_k)
+                + "\n\n"
+            )
+        if traces:
+            table += replay_report(traces, curves, ks)
         header = (
             f"command: {' '.join(sys.argv)}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
@@ -219,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": prompts,
             "auto_k": {c: dict(v) for c, v in auto_k.items()},
             "curves": curves.to_dict(),
+            "traces": traces,
+            "ks": ks,
         }
         (out / "results.json").write_text(json.dumps(result, indent=1))
         return header + "\n" + table
@@ -252,9 +290,83 @@ def main(argv: list[str] | None = None) -> int:
         write_report()  # partial results survive an interrupted run
         print(f"trial {trial + 1}/{args.trials} done at {time.time() - started:.0f}s", flush=True)
 
+    # Every strategy replayed on each prompt's recorded drafts (no noise, same curves).
+    recorder = pipes[next(n for n in names if n.startswith("fixed"))]
+    traces[:] = [
+        record_trace(recorder, text, args.max_tokens, cat).to_dict() for cat, text in prompts
+    ]
     report = write_report()
     print(report)
     return 1 if "outputs equal to greedy: NO" in report else 0
+
+
+def replay_report(
+    traces: list[dict[str, Any]], curves: Any, ks: list[int], auto: dict[str, Any] | None = None
+) -> str:
+    """The strategies replayed on recorded drafts (see the module docstring) as a table."""
+    from dspark_flow.calibration.simulate import DraftTrace, replay_all
+    from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
+    from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
+    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+
+    class Plain(FixedCap):  # k = 0 every round: plain greedy decoding
+        def choose(self, drafter_max: int | None) -> int:
+            return 0
+
+    caps: dict[str, Any] = {"greedy": Plain(FixedCapConfig(k=1))}
+    caps.update({f"fixed k={k}": FixedCap(FixedCapConfig(k=k)) for k in ks})
+    caps["calibrated"] = CalibratedCap(CalibratedCapConfig(), curves=curves)
+    caps["auto"] = AutoCap(AutoCapConfig(**(auto or {})), curves=curves)
+    runs = replay_all(caps, [DraftTrace.from_dict(t) for t in traces], curves, max(ks))
+    cats = [c for c in CATEGORIES if c in runs["greedy"]] + ["all"]
+    lines = [
+        "Replayed (every strategy on each prompt's recorded drafts, charged the measured "
+        "curves; no noise, counterfactual):",
+        "",
+        "| strategy | " + " | ".join(f"{c} tok/s" for c in cats) + " | mean τ |",
+        "|---" * (len(cats) + 2) + "|",
+    ]
+    for name, per in runs.items():
+        tau = per["all"].tokens / max(per["all"].rounds, 1)
+        cells = " | ".join(f"{per[c].tokens_per_second:.1f}" for c in cats)
+        lines.append(f"| {name} | {cells} | {tau:.2f} |")
+    fixed = [n for n in runs if n.startswith("fixed")]
+    best = {c: max(fixed, key=lambda n, c=c: runs[n][c].tokens_per_second) for c in cats}
+
+    def ratio(name: str, other: dict[str, str] | str, c: str) -> str:
+        ref = other[c] if isinstance(other, dict) else other
+        return f"{runs[name][c].tokens_per_second / runs[ref][c].tokens_per_second:.3f}"
+
+    lines += [
+        "",
+        "| check | " + " | ".join(cats) + " |",
+        "|---" * (len(cats) + 1) + "|",
+        "| best fixed | " + " | ".join(best[c] for c in cats) + " |",
+        "| auto / best fixed (goal >= 0.95) | "
+        + " | ".join(ratio("auto", best, c) for c in cats)
+        + " |",
+        "| auto / greedy (goal >= 0.97) | "
+        + " | ".join(ratio("auto", "greedy", c) for c in cats)
+        + " |",
+        "| calibrated / best fixed | "
+        + " | ".join(ratio("calibrated", best, c) for c in cats)
+        + " |",
+    ]
+    return "\n".join(lines)
+
+
+def replay_only(args: argparse.Namespace) -> int:
+    from dspark_flow.calibration.curves import Curves
+
+    data = json.loads(Path(args.replay).read_text())
+    if not data.get("traces"):
+        print(f"{args.replay} has no recorded drafts (made by an older version?)", file=sys.stderr)
+        return 2
+    source = json.loads(Path(args.curves).read_text()) if args.curves else data
+    curves = Curves.from_dict(source["curves"])
+    ks = [k for k in data.get("ks", []) if k <= curves.block] or list(range(1, curves.block + 1))
+    print(replay_report(data["traces"], curves, ks, json.loads(args.auto)))
+    return 0
 
 
 def decode_seconds(r: Any) -> float:

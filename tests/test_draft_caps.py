@@ -294,6 +294,60 @@ def test_auto_never_drafts_where_it_cannot_pay():
     assert [cap.choose(16) for _ in range(20)] == [0] * 20
 
 
+def test_auto_probes_cost_what_they_are_expected_to_lose():
+    curves = synthetic(lambda K: 1 + 0.3 * (K - 1))  # a probe of 2 costs 1.6 plain rounds
+    cfg = AutoCapConfig(probe_every=4, probe_k=2, probe_cost=0.02)
+
+    def run(rounds: int, accept: float) -> list[int]:
+        cap = AutoCap(cfg, curves=curves)
+        rng = random.Random(0)
+        ks = []
+        for _ in range(rounds):
+            k = cap.choose(16)
+            got = 0
+            while got < k and rng.random() < accept:
+                got += 1
+            cap.observe(k, got, 0.0)
+            ks.append(k)
+        return ks
+
+    # Never accepted: a probe commits one token for 1.6 rounds' time (a loss of 0.375 of a
+    # round), so with probe_cost 2% probes are about 19 rounds apart.
+    tail = run(300, 0.0)[100:]
+    drafted = [i for i, k in enumerate(tail) if k]
+    assert drafted and all(b - a >= 15 for a, b in zip(drafted, drafted[1:], strict=False))
+    # Accepted half the time: short drafts pay, so it drafts nearly every round.
+    assert sum(k > 0 for k in run(300, 0.5)[100:]) >= 150
+
+
+# -- replaying caps on recorded drafts -----------------------------------------------------------
+
+
+def test_replay_charges_each_round_what_it_drafted():
+    from dspark_flow.calibration.simulate import DraftTrace, replay
+    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+
+    curves = synthetic(lambda K: 1.0 + 0.5 * (K - 1), block=4, drafter=0.25)
+    # 8 tokens: the first from the prefill; at j=1 a draft of 4 matches 2 tokens, at j=4 the
+    # drafter proposes only 1 (lookup without a longer match) and it matches.
+    trace = DraftTrace(
+        prompt_len=10,
+        num_tokens=8,
+        end=8,
+        budget=8,
+        proposed=[0, 4, 4, 4, 1, 4, 4, 4],
+        accepted=[0, 2, 0, 0, 1, 3, 0, 0],
+    )
+    got = replay(FixedCap(FixedCapConfig(k=3)), trace, curves, block=4)
+    # j=1: 3 drafted, 2 accepted -> j=4: 1 proposed, 1 accepted -> j=6: k=min(3, 8-6-1)=1,
+    # 0 accepted -> j=7: k=0 (the last token), plain.
+    assert got.accept_lengths == [3, 2, 1, 1]
+    assert got.chosen == {3: 2, 1: 1, 0: 1}
+    assert got.tokens == 7 and got.rounds == 4
+    want = (2.5 + 0.25) + (1.5 + 0.25) + (1.5 + 0.25) + 1.0
+    assert got.seconds == pytest.approx(want)
+
+
 # -- end to end on the embedded model ----------------------------------------------------------
 
 PROMPTS = [
@@ -358,3 +412,29 @@ def test_cli_calibrate_and_max_draft(tmp_path, monkeypatch, capsys):
     assert main(args) == 0 and "[cached:" in capsys.readouterr().out
     assert main(["run", recipe, "--prompt", "hi", "--max-draft", "seven"]) == 2
     assert "--max-draft" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_recorded_trace_replays_the_real_loop_exactly(embedded):
+    """The replay is only worth its numbers if a fixed k replayed on a recorded trace commits
+    exactly what the real loop commits with that k, round by round."""
+    from dspark_flow.calibration.simulate import record_trace, replay
+    from dspark_flow.pipeline import Pipeline
+    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+
+    drafter = {"kind": "lookup", "max_draft": 8}
+    recorder = Pipeline.from_dict({"drafter": drafter}, target=embedded).warm_up()
+    curves = synthetic(lambda K: 1.0, block=8)
+    for prompt in PROMPTS:
+        trace = record_trace(recorder, prompt, MAX_NEW)
+        for k in (2, 5):
+            real = Pipeline.from_dict(
+                {"drafter": drafter, "draft_cap": {"kind": "fixed", "k": k}}, target=embedded
+            ).warm_up()
+            result = real.generate(prompt, max_new_tokens=MAX_NEW)
+            replayed = replay(FixedCap(FixedCapConfig(k=k)), trace, curves, block=8)
+            assert trace.num_tokens == result.num_tokens and trace.end >= trace.num_tokens
+            # Round for round; the last one can differ in length only (past a stop token the
+            # trace has no truth to match drafts against), never in time.
+            assert len(replayed.accept_lengths) == len(result.accept_lengths)
+            assert replayed.accept_lengths[:-1] == result.accept_lengths[:-1]

@@ -144,6 +144,19 @@ def test_loss_falls_checkpoints_round_trip_and_resume_continues(embedded, sample
     assert worst < 1e-5, worst
 
 
+def test_a_time_limit_pauses_at_a_checkpoint(embedded, samples, tmp_path):
+    import time
+
+    model, tok = embedded
+    recipe = small_recipe("dflash", steps=5, checkpoint_every=100)
+    trainer = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path).warm_up(model, tok)
+    result = trainer.train(samples, deadline=time.perf_counter())  # already past: one step
+    assert result.step == 1 and result.paused
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_0000001"]
+    again = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path).warm_up(model, tok)
+    assert again.resume() and not again.train(samples).paused and again.step == 5
+
+
 def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
     model, tok = embedded
     DrafterTrainer(small_recipe("dflash", steps=2), progress=False, checkpoints=tmp_path).warm_up(

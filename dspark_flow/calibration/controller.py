@@ -308,15 +308,24 @@ class CurveCap(DraftCap):
         if perfect.gain < getattr(cfg, "min_gain", 1.0):
             return None
         k = min(getattr(cfg, "probe_k", 2), limit)
-        # Expected probe time: a drafter that seldom proposes anything (lookup without a
-        # match) makes most probes plain rounds, so it can be probed often.
+        # A probe's expected loss against a plain round, at the current estimate: where drafts
+        # are still accepted fairly often (just below break-even) a probe costs little and runs
+        # often, so `auto` comes back quickly; where they never are, it costs a whole verify of
+        # k + 1 rows for one token and runs rarely. A drafter that seldom proposes anything
+        # (lookup without a match) makes most probes plain rounds, so it can be probed often.
         lengths = self.lengths
+        p_first, p = self.acceptance()
         table = plan_table(
-            self.curves, 0.0, self.depth, k, survival=lengths.survival() if lengths else None
+            self.curves,
+            p,
+            self.depth,
+            k,
+            p_first,
+            survival=lengths.survival() if lengths else None,
         )
-        extra = max(0.0, table[k].seconds / table[0].seconds - 1.0)
+        loss = max(0.0, 1.0 - table[k].gain)
         return max(
-            getattr(cfg, "probe_every", 16), math.ceil(extra / getattr(cfg, "probe_cost", 0.02))
+            getattr(cfg, "probe_every", 16), math.ceil(loss / getattr(cfg, "probe_cost", 0.02))
         )
 
     def observe(self, proposed: int, accepted: int, seconds: float) -> None:

@@ -21,6 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run only these stages (repeatable; default: all; export writes the newest checkpoint)",
     )
     p.add_argument("--fresh", action="store_true", help="discard checkpoints and start at step 0")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="pause training at a checkpoint once this long has passed (a rerun resumes; "
+        "export and eval wait for the run that finishes)",
+    )
     p.add_argument("--check", action="store_true", help="validate the recipe and stop")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -37,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
     stages = tuple(args.stage) if args.stage else STAGES
     command = "dspark-flow train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     summary = run_training(
-        recipe, stages=stages, fresh=args.fresh, progress=not args.quiet, command=command
+        recipe,
+        stages=stages,
+        fresh=args.fresh,
+        progress=not args.quiet,
+        command=command,
+        time_limit=args.time_limit,
     )
     if args.json:
         print(json.dumps(summary, indent=2))

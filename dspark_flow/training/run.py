@@ -48,8 +48,12 @@ def run_training(
     fresh: bool = False,
     progress: bool = True,
     command: str | None = None,
+    time_limit: float | None = None,
 ) -> dict[str, Any]:
-    """Run the named stages; returns a summary (also written as train_summary.json)."""
+    """Run the named stages; returns a summary (also written as train_summary.json).
+
+    With `time_limit` (seconds from the start of this call) training pauses at a checkpoint
+    once past it, and the later stages wait for a rerun, which resumes where it paused."""
     from dspark_flow.errors import DsparkFlowError
     from dspark_flow.models.loading import load
     from dspark_flow.training.data import build_dataset, data_cache_dir, load_samples
@@ -98,15 +102,24 @@ def run_training(
         elif trainer.resume():
             summary["resumed_from_step"] = trainer.step
         t0 = time.perf_counter()
-        result = trainer.train(samples)
+        deadline = t_start + time_limit if time_limit is not None else None
+        result = trainer.train(samples, deadline=deadline)
         summary["train"] = {
             "steps": result.step,
+            "paused": result.paused,
             "seconds": round(time.perf_counter() - t0, 1),
             "last": result.last,
             "checkpoints": str(trainer.checkpoints),
             "device": summary["device"],
             "command": command,
         }
+    if summary.get("train", {}).get("paused"):
+        log.info(
+            "training paused by the time limit: run the same command again to resume",
+            step=summary["train"]["steps"],
+            of=recipe.train.steps,
+        )
+        stages = tuple(s for s in stages if s not in ("export", "eval"))
     if "export" in stages:
         if trainer.model is None:
             trainer.warm_up(target, tok)

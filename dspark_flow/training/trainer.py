@@ -74,6 +74,12 @@ class TrainResult:
     step: int
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
+    total: int = 0  # the steps asked for
+
+    @property
+    def paused(self) -> bool:
+        """Stopped by a time limit before the last step."""
+        return self.step < self.total
 
     @property
     def last(self) -> dict[str, float]:
@@ -315,7 +321,11 @@ class DrafterTrainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def train(self, samples: list[Sample], steps: int | None = None) -> TrainResult:
+    def train(
+        self, samples: list[Sample], steps: int | None = None, deadline: float | None = None
+    ) -> TrainResult:
+        """Train up to `steps` (default: the recipe's); with `deadline` (a time.perf_counter()
+        value) stop after the first step past it, checkpointed, so a rerun resumes there."""
         from tqdm import tqdm
 
         if not samples:
@@ -358,8 +368,12 @@ class DrafterTrainer:
                     loss=f"{ema['loss']:.3f}", tau=f"{ema['tau']:.2f}", lr=f"{m['lr']:.1e}"
                 )
                 bar.update(1)
-                if self.step % t.checkpoint_every == 0 or self.step == total:
+                past_deadline = deadline is not None and time.perf_counter() > deadline
+                if self.step % t.checkpoint_every == 0 or self.step == total or past_deadline:
                     self.save_checkpoint()
+                if past_deadline and self.step < total:
+                    log.info("time limit: paused", step=self.step, of=total)
+                    break
         finally:
             bar.close()
         seconds = time.perf_counter() - t0
@@ -369,7 +383,7 @@ class DrafterTrainer:
             seconds=round(seconds, 1),
             positions_per_s=round(positions / max(seconds, 1e-9)),
         )
-        return TrainResult(step=self.step, seconds=seconds, history=list(self.history))
+        return TrainResult(step=self.step, seconds=seconds, history=list(self.history), total=total)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

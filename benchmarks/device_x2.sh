@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One lease of two H200s (kind nvidia-h200-x2), three calls after staging: both GPUs busy all
+# the time. GPU 0 makes the training data then trains DSpark; GPU 1 measures the draft-cap
+# curves and sweeps (issue 6) while the data is made, then trains DFlash. Training pauses at a
+# checkpoint before each call's limit (`dspark-flow train --time-limit`) and the next call
+# resumes it; the last call exports both drafters and benchmarks them against greedy.
+#
+# Stage as in train_device.sh, then, one call each:
+#   bash benchmarks/device_x2.sh first    (with the last staged part: after `source .stage/unstage.sh`)
+#   bash benchmarks/device_x2.sh more     (as often as the budget allows)
+#   bash benchmarks/device_x2.sh last
+# Each call stays under CALL_S seconds (default 560) and leaves logs, tables and the
+# exported drafters (drafters.tar.part_*, see train_device.sh) in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh
+[ -d /root/dspark-flow-site/dspark_flow ] && export PYTHONPATH="/root/env/site:/root/dspark-flow-site" || install_here
+model_here
+mkdir -p ../shared/data
+[ -e ../shared/data/prompts ] || ln -sfn /root/env/prompts ../shared/data/prompts
+: "${OUT:?OUT must name the folder whose files come back}"
+CALL_S=${CALL_S:-560}
+START=$(date +%s)
+O=/tmp/o && mkdir -p $O  # logs and tables; packed into $OUT/results.tgz at the end of each call
+left() { echo $((CALL_S - ($(date +%s) - START))); }
+df() { python3 -P -m dspark_flow.cli.main "$@"; }
+R=recipes/train/smollm2-135m
+
+data() {  # the shared training data on GPU 0 (resumable; the DFlash side waits for it)
+  [ -e /tmp/data.done ] && return 0
+  CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
+    "$R-dspark.yaml" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
+    | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch /tmp/data.done
+  tail -2 $O/data.log
+}
+
+wait_data() { while [ ! -e /tmp/data.done ] && [ "$(left)" -gt 60 ]; do sleep 5; done; [ -e /tmp/data.done ]; }
+
+train() {  # train KIND GPU [SECONDS]: train (resuming) until done or the time is up
+  local kind=$1 gpu=$2 secs=${3:-$(($(left) - 45))}
+  CUDA_VISIBLE_DEVICES=$gpu df train "$R-$kind.yaml" --stage train --quiet --log-level info \
+    --time-limit "$secs" 2>&1 | grep -vE "generation  " | cut -c1-260 >> $O/train-$kind.log
+  echo "$kind: $(grep -E "trained|paused|error" $O/train-$kind.log | tail -1)"
+}
+
+sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1
+  local d=$1 trials=$2 secs=$3; shift 3
+  CUDA_VISIBLE_DEVICES=1 timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
+    --trials "$trials" --time-budget $((secs - 90)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
+    || echo "sweep $d cut short"
+  cp "/tmp/dc-$d/results.json" $O/dc-$d.json 2>/dev/null
+  tail -2 $O/dc-$d.log
+}
+
+bench() {  # bench KIND GPU: one drafter against greedy on held-out prompts, 3 trials
+  CUDA_VISIBLE_DEVICES=$2 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
+    recipes/$1.yaml --prompts /tmp/heldout.jsonl --trials 3 --max-tokens 128 --no-mlx-lm \
+    --no-verify-cost --no-plots --quiet --set 'draft_cap={kind: full_block}' --out /tmp/bench-$1 \
+    > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
+  cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
+  grep -E "^\| (all|greedy|$1)" $O/bench-$1.md 2>/dev/null | head -8
+}
+
+case "${1:-}" in
+  first)
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee $O/gpus.log
+    ( data && train dspark 0 ) &
+    (  # curves and sweeps (the shipped drafters' costs are the retrained ones'), then DFlash
+      sweep lookup 3 170
+      sweep dspark 2 150 --ks 1-7
+      sweep dflash 0 90
+      wait_data && train dflash 1
+    ) &
+    wait
+    ;;
+  more)
+    ( data && train dspark 0 ) &
+    ( wait_data && train dflash 1 ) &
+    wait
+    ;;
+  last)  # finish training, export, pack, then each drafter against greedy on its own GPU
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    for kind in dspark dflash; do
+      gpu=$([ $kind = dspark ] && echo 0 || echo 1)
+      (
+        train $kind $gpu "${TRAIN_S:-150}"
+        CUDA_VISIBLE_DEVICES=$gpu df train "$R-$kind.yaml" --stage export --quiet 2>&1 | tail -2
+        bench $kind $gpu
+      ) &
+    done
+    wait
+    tar -C dspark_flow/data/drafters -cf /tmp/drafters.tar smollm2-135m-dspark smollm2-135m-dflash
+    split -b 15M -d /tmp/drafters.tar "$OUT/drafters.tar.part_"
+    sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
+    ;;
+  *) echo "usage: $0 first | more | last" >&2; exit 2 ;;
+esac
+tar -C $O -czf "$OUT/results.tgz" .
+echo "call took $(( $(date +%s) - START ))s"
