@@ -93,7 +93,26 @@ case "${1:-}" in
     split -b 15M -d /tmp/drafters.tar "$OUT/drafters.tar.part_"
     sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
     ;;
-  *) echo "usage: $0 first | more | last" >&2; exit 2 ;;
+  caps)  # the shipped DSpark drafter under draft caps auto / fixed 2 / full block, 4-bit (GPU 0) and bf16 (GPU 1)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    for cap in "auto:{kind: auto}" "k2:{kind: fixed, k: 2}" "full:{kind: full_block}"; do
+      sed -e "s/^name: dspark/name: dspark-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
+        recipes/dspark.yaml > /tmp/dspark-${cap%%:*}.yaml
+    done
+    for gpu in 0 1; do
+      w=$([ $gpu = 0 ] && echo native || echo bfloat16)
+      CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
+        /tmp/dspark-auto.yaml /tmp/dspark-k2.yaml /tmp/dspark-full.yaml --prompts /tmp/heldout.jsonl \
+        --trials 3 --max-tokens 128 --no-mlx-lm --no-verify-cost --no-plots --quiet \
+        --set target.weights=$w --out /tmp/bench-caps-$w > $O/bench-caps-$w.log 2>&1 &
+    done
+    wait
+    for w in native bfloat16; do
+      cp /tmp/bench-caps-$w/bench.md $O/bench-caps-$w.md; cp /tmp/bench-caps-$w/bench.json $O/bench-caps-$w.json
+      grep -E "^\| \*\*all" $O/bench-caps-$w.md
+    done
+    ;;
+  *) echo "usage: $0 first | more | last | caps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

@@ -79,11 +79,13 @@ def run_training(
     if "data" in stages or "train" in stages:
         t0 = time.perf_counter()
         cache = data_cache_dir(recipe)
-        try:  # a train-only run uses complete data as it is (never regenerates it)
-            if "data" in stages:
-                raise DsparkFlowError("data stage asked for")
+        try:
             samples = load_samples(cache)
+            complete_before = True
         except DsparkFlowError:
+            complete_before = False
+        # A train-only run uses complete data as it is; the data stage checks and finishes it.
+        if "data" in stages or not complete_before:
             cache = build_dataset(recipe, target, tok, progress=progress)
             samples = load_samples(cache)
         summary["data"] = {
@@ -94,6 +96,12 @@ def run_training(
             "cache": str(cache),
             "device": summary["device"],
         }
+        before = previous.get("data", {})
+        if complete_before and {k: before.get(k) for k in ("cache", "samples")} == {
+            "cache": str(cache),
+            "samples": len(samples),
+        }:
+            summary["data"] = before  # the run that generated the data keeps its figures
         log.info("data ready", **summary["data"])
     if "train" in stages:
         trainer.warm_up(target, tok)
@@ -101,6 +109,7 @@ def run_training(
             trainer.clear_checkpoints()
         elif trainer.resume():
             summary["resumed_from_step"] = trainer.step
+        resumed_from = trainer.step
         t0 = time.perf_counter()
         deadline = t_start + time_limit if time_limit is not None else None
         result = trainer.train(samples, deadline=deadline)
@@ -108,11 +117,23 @@ def run_training(
             "steps": result.step,
             "paused": result.paused,
             "seconds": round(time.perf_counter() - t0, 1),
+            "calls": 1,
             "last": result.last,
             "checkpoints": str(trainer.checkpoints),
             "device": summary["device"],
             "command": command,
         }
+        # Training spread over calls (time limits, preemption): add this call to the earlier
+        # ones; a call with nothing left to train leaves their record as it is.
+        before = previous.get("train", {})
+        if resumed_from and before.get("steps") == resumed_from:
+            if result.step == resumed_from:
+                summary["train"] = {**before, "paused": result.paused}
+            else:
+                summary["train"]["seconds"] = round(
+                    before.get("seconds", 0.0) + summary["train"]["seconds"], 1
+                )
+                summary["train"]["calls"] = before.get("calls", 1) + 1
     if summary.get("train", {}).get("paused"):
         log.info(
             "training paused by the time limit: run the same command again to resume",
