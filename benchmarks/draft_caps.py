@@ -42,6 +42,13 @@ LOOKUP = {"kind": "lookup", "min_ngram": 2, "max_ngram": 4, "max_draft": 16}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per-category", type=int, default=2, help="prompts per category")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=PROMPTS,
+        help="JSONL of {category, turns} (default: the package's prompts; held-out sets: "
+        "benchmarks/heldout_prompts.py)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3, help="0: only calibrate and replay")
     p.add_argument("--ks", default="1-16", help="fixed k values: '1-16' or '1,2,4,8'")
@@ -90,8 +97,8 @@ def parse_ks(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def pick_prompts(per_category: int) -> list[tuple[str, str]]:
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+def pick_prompts(per_category: int, path: Path = PROMPTS) -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out: list[tuple[str, str]] = []
     for cat in CATEGORIES:
         out += [(cat, r["turns"][0]) for r in rows if r["category"] == cat][:per_category]
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for pipe in pipes.values():
         pipe.warm_up()
     names = list(pipes)
-    prompts = pick_prompts(args.per_category)
+    prompts = pick_prompts(args.per_category, args.prompts)
 
     # times[name][prompt index] = decode seconds per trial; tokens per prompt; auto's k choices.
     times: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(prompts))
             if outputs[n][i] != outputs["greedy"][i]
         ]
-        cats = [*CATEGORIES, "all"]
+        cats = [c for c in CATEGORIES if any(cat == c for cat, _ in prompts)] + ["all"]
         speed: Any = {}
         checks: Any = {}
         model_speed: Any = {}
