@@ -157,6 +157,49 @@ def test_a_time_limit_pauses_at_a_checkpoint(embedded, samples, tmp_path):
     assert again.resume() and not again.train(samples).paused and again.step == 5
 
 
+@pytest.mark.slow
+def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
+    import json
+    import shutil
+    import uuid
+
+    from dspark_flow.training.run import run_training
+    from dspark_flow.training.trainer import work_dir
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name a colour."]}\n')
+    recipe = TrainRecipe.model_validate(
+        {
+            "name": f"test-time-limit-{uuid.uuid4().hex[:8]}",
+            "drafter": small_recipe("dflash").drafter.model_dump(),
+            "data": {
+                "prompts": [{"path": str(prompts)}],
+                "self_prompts": 0,
+                "max_new_tokens": 24,
+                "max_prompt_tokens": 64,
+                "cache_dir": str(tmp_path / "data"),
+            },
+            "train": {"steps": 3, "batch_size": 2, "seq_len": 96, "anchors_per_seq": 6},
+            "export": {"quantize": None},
+            "output": str(tmp_path / "drafter"),
+        }
+    )
+    stages = ("data", "train", "export")
+    try:
+        first = run_training(recipe, stages=stages, progress=False, time_limit=0.0)
+        assert first["train"]["paused"] and first["train"]["steps"] == 1
+        assert "exported_step" not in first and not (tmp_path / "drafter").exists()
+        second = run_training(recipe, stages=stages, progress=False)
+        assert not second["train"]["paused"] and second["exported_step"] == 3
+        assert second["train"]["calls"] == 2
+        assert second["train"]["seconds"] >= first["train"]["seconds"]
+        assert second["data"] == first["data"]  # the call that made the data keeps its record
+        shipped = json.loads((tmp_path / "drafter" / "train_summary.json").read_text())
+        assert shipped["train"]["calls"] == 2
+    finally:
+        shutil.rmtree(work_dir(recipe), ignore_errors=True)
+
+
 def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
     model, tok = embedded
     DrafterTrainer(small_recipe("dflash", steps=2), progress=False, checkpoints=tmp_path).warm_up(

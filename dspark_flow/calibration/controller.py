@@ -130,7 +130,7 @@ class CurveCapConfig(StrategyConfig):
 
 
 class AdaptiveCapConfig(CurveCapConfig):
-    window: float = Field(16.0, ge=1, description="rounds of memory of the acceptance estimate")
+    window: float = Field(32.0, ge=1, description="rounds of memory of the acceptance estimate")
     carry_weight: float = Field(
         4.0,
         gt=0,
@@ -173,7 +173,7 @@ class CurveCap(DraftCap):
         self.estimator = AcceptanceEstimator(
             prior=cfg.acceptance,
             prior_weight=getattr(cfg, "prior_weight", 2.0),
-            window=getattr(cfg, "window", 16.0),
+            window=getattr(cfg, "window", 32.0),
         )
 
     # -- warm-up -----------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class CurveCap(DraftCap):
         """What `auto` learnt about how many tokens the drafter proposes (None otherwise)."""
         if self._lengths is None and self.adaptive and self.curves is not None:
             self._lengths = LengthEstimator(
-                self.curves.block, getattr(self.config, "window", 16.0) * 2
+                self.curves.block, getattr(self.config, "window", 32.0) * 2
             )
         return self._lengths
 

@@ -20,6 +20,7 @@ from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 log = get_logger(__name__)
 STAGES = ("data", "train", "export", "eval")
+SUMMARY = "train_summary.json"
 
 
 def device_name() -> str:
@@ -69,13 +70,11 @@ def run_training(
     check_against_target(recipe, target)  # a drafter that cannot fit fails before any work
     trainer = DrafterTrainer(recipe, progress=progress)
     out = recipe.output_dir()
-    # Stages run in separate calls (data and training on a GPU, evaluation elsewhere) add to
-    # one summary: keep what earlier runs recorded.
-    previous: dict[str, Any] = {}
-    try:
-        previous = json.loads((out / "train_summary.json").read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: start a fresh summary
-        previous = {}
+    # Stages run in separate calls (data and training on a GPU, evaluation elsewhere, training
+    # paused by time limits) add to one summary: keep what earlier runs recorded. The work dir's
+    # copy is written by every call; the output's only once the drafter is exported there.
+    running = work_dir(recipe) / SUMMARY
+    previous = _read_summary(running) or _read_summary(out / SUMMARY)
     if "data" in stages or "train" in stages:
         t0 = time.perf_counter()
         cache = data_cache_dir(recipe)
@@ -110,6 +109,8 @@ def run_training(
         elif trainer.resume():
             summary["resumed_from_step"] = trainer.step
         resumed_from = trainer.step
+        if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
+            previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
         t0 = time.perf_counter()
         deadline = t_start + time_limit if time_limit is not None else None
         result = trainer.train(samples, deadline=deadline)
@@ -170,10 +171,24 @@ def run_training(
                 print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     summary = {**previous, **summary}
+    text = json.dumps(summary, indent=2) + "\n"
+    try:
+        running.parent.mkdir(parents=True, exist_ok=True)
+        running.write_text(text)
+    except OSError as exc:  # the summary is a record, not a result: never fail the run for it
+        log.warning("could not write the running summary", path=str(running), error=str(exc))
     if out.is_dir():
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / SUMMARY).write_text(text)
         write_card(recipe, out)
     return summary
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: start a fresh summary
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def write_card(recipe: TrainRecipe, out: Path) -> None:
@@ -181,7 +196,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
     long, and what it reaches."""
     from dspark_flow.training.evaluate import format_eval
 
-    summary = json.loads((out / "train_summary.json").read_text())
+    summary = json.loads((out / SUMMARY).read_text())
     prev = out / "README.md"
     d, a = recipe.data, recipe.drafter
     files = "\n".join(
