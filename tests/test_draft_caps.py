@@ -320,6 +320,29 @@ def test_auto_probes_cost_what_they_are_expected_to_lose():
     assert sum(k > 0 for k in run(300, 0.5)[100:]) >= 150
 
 
+def test_auto_keeps_learning_past_the_first_position():
+    # Verifying 2 or 3 rows costs the same, 4 and more 1.5x (the 4-bit CUDA matmul step).
+    curves = synthetic(lambda K: 1.0 if K <= 3 else 1.5, block=7)
+    cap = AutoCap(AutoCapConfig(), curves=curves)
+    for _ in range(80):  # a request where only first positions are ever accepted
+        k = cap.choose(7)
+        cap.observe(k, min(k, 1), 0.0)
+    assert cap.estimator.p < 0.2
+    cap.begin([1] * 10)
+    rng = random.Random(0)
+    ks = []
+    for _ in range(60):  # now every position is accepted with 0.8
+        k = cap.choose(7)
+        got = 0
+        while got < k and rng.random() < 0.8:
+            got += 1
+        cap.observe(k, got, 0.0)
+        ks.append(k)
+    # Drafting only k = 1 never shows that later positions are accepted now; auto must find out
+    # and draft more than one token.
+    assert ks[-20:].count(1) <= 5, ks
+
+
 # -- replaying caps on recorded drafts -----------------------------------------------------------
 
 

@@ -166,6 +166,7 @@ class CurveCap(DraftCap):
         self.depth = 0  # tokens in the context (prompt + committed) of the current generation
         self.chosen: Counter[int] = Counter()  # k per round, for reports
         self._off_rounds = 0
+        self._single_rounds = 0  # rounds in a row that drafted exactly one token
         self._plans: dict[tuple[float, float, int, int], Plan] = {}
         self._lengths: LengthEstimator | None = None  # made once the block is known
         self._last_k = 0
@@ -288,6 +289,14 @@ class CurveCap(DraftCap):
         cfg = self.config
         if plan.gain >= getattr(cfg, "min_gain", 1.0):
             self._off_rounds = 0
+            # Drafting one token never shows whether a second would have been accepted, so
+            # the later positions' estimate would stay wherever earlier prompts left it; now
+            # and then draft two to keep learning it.
+            if plan.k == 1 and limit >= 2:
+                self._single_rounds += 1
+                if self._single_rounds >= getattr(cfg, "probe_every", 4):
+                    self._single_rounds = 0
+                    return 2
             return plan.k
         # Plain decoding is expected to be faster; still draft a little now and then, since the
         # estimate only moves on rounds that draft.
