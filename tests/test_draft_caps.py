@@ -371,6 +371,50 @@ def test_replay_charges_each_round_what_it_drafted():
     assert got.seconds == pytest.approx(want)
 
 
+def test_the_benchmark_replays_recorded_drafts_against_other_curves(tmp_path):
+    import subprocess
+    import sys
+
+    from dspark_flow.calibration.simulate import DraftTrace
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "draft_caps.py"
+    rng = random.Random(1)
+    traces = []
+    for category in ("chat", "code", "math", "edit"):
+        accepted = [0] + [rng.choice([0, 0, 1, 3, 8]) for _ in range(63)]
+        traces.append(DraftTrace(30, 64, 64, 64, [8] * 64, accepted, category).to_dict())
+    flat = synthetic(lambda K: 1.0, block=8)  # verifying costs the same for any K
+    steep = synthetic(lambda K: float(K), block=8)  # K rows cost K times one: never draft
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"traces": traces, "ks": list(range(1, 9)), **_curves(flat)}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_curves(steep)))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(script), "--replay", str(results), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    def auto_vs_greedy(out: str) -> float:
+        line = next(ln for ln in out.splitlines() if ln.startswith("| auto / greedy"))
+        return float(line.split("|")[-2])  # the "all" column
+
+    here, there = run(), run("--curves", str(other))
+    assert here.returncode == 0 and there.returncode == 0, here.stderr + there.stderr
+    assert "| fixed k=8 |" in here.stdout
+    assert auto_vs_greedy(here.stdout) > 1.5  # free verification: drafting wins big
+    assert 0.97 <= auto_vs_greedy(there.stdout) <= 1.0  # nothing to win: auto stays off
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(_curves(flat)))
+    failed = subprocess.run(
+        [sys.executable, str(script), "--replay", str(empty)], capture_output=True, text=True
+    )
+    assert failed.returncode == 2 and "no recorded drafts" in failed.stderr
+
+
+def _curves(curves: Curves) -> dict:
+    return {"curves": curves.to_dict()}
+
+
 # -- end to end on the embedded model ----------------------------------------------------------
 
 PROMPTS = [

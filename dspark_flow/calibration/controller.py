@@ -314,8 +314,8 @@ class CurveCap(DraftCap):
         assert self.curves is not None
         cfg = self.config
         perfect = best_plan(self.curves, 1.0, self.depth, limit)
-        if perfect.gain < getattr(cfg, "min_gain", 1.0):
-            return None
+        if perfect.gain <= getattr(cfg, "min_gain", 1.0) * (1.0 + TOLERANCE):
+            return None  # even drafts that are always accepted would at best break even
         k = min(getattr(cfg, "probe_k", 2), limit)
         # A probe's expected loss against a plain round, at the current estimate: where drafts
         # are still accepted fairly often (just below break-even) a probe costs little and runs
