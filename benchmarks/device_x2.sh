@@ -10,7 +10,10 @@
 #   bash benchmarks/device_x2.sh more     (as often as the budget allows)
 #   bash benchmarks/device_x2.sh last
 # Each call stays under CALL_S seconds (default 560) and leaves logs, tables and the
-# exported drafters (drafters.tar.part_*, see train_device.sh) in $OUT.
+# exported drafters (drafters.tar.part_*, see train_device.sh) in $OUT. Data and checkpoints
+# live on the warm machine only: if it was given back between calls, `more`/`last` say so and
+# stop; stage again and start with `first`. (Run on 2026-11-29 in the version before the
+# review fixes of 23:55 UTC: timeouts, the export guard and the bare-machine check.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -21,9 +24,10 @@ mkdir -p ../shared/data
 : "${OUT:?OUT must name the folder whose files come back}"
 CALL_S=${CALL_S:-560}
 START=$(date +%s)
+touch /tmp/call_start
 O=/tmp/o && mkdir -p $O  # logs and tables; packed into $OUT/results.tgz at the end of each call
-left() { echo $((CALL_S - ($(date +%s) - START))); }
-df() { python3 -P -m dspark_flow.cli.main "$@"; }
+left() { local n=$((CALL_S - ($(date +%s) - START))); echo $((n > 1 ? n : 1)); }
+dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
 
 data() {  # the shared training data on GPU 0 (resumable; the DFlash side waits for it)
@@ -36,10 +40,14 @@ data() {  # the shared training data on GPU 0 (resumable; the DFlash side waits 
 
 wait_data() { while [ ! -e /tmp/data.done ] && [ "$(left)" -gt 60 ]; do sleep 5; done; [ -e /tmp/data.done ]; }
 
-train() {  # train KIND GPU [SECONDS]: train (resuming) until done or the time is up
-  local kind=$1 gpu=$2 secs=${3:-$(($(left) - 45))}
-  CUDA_VISIBLE_DEVICES=$gpu df train "$R-$kind.yaml" --stage train --quiet --log-level info \
-    --time-limit "$secs" 2>&1 | grep -vE "generation  " | cut -c1-260 >> $O/train-$kind.log
+train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or the time is up
+  local kind=$1 gpu=$2 secs=${3:-$(($(left) - 45))} stages=${4:---stage train}
+  [ -e /tmp/data.done ] || { echo "$kind: no complete training data here (a bare machine?)"; return 1; }
+  [ "$secs" -gt 60 ] || { echo "$kind: too little time left to train"; return 1; }
+  # --time-limit is checked between steps; timeout is the backstop (a fresh process first
+  # spends minutes compiling CUDA kernels) so the call still returns its files.
+  CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 10)) python3 -P -m dspark_flow.cli.main train \
+    "$R-$kind.yaml" $stages --quiet --log-level info --time-limit "$secs" 2>&1 | grep -vE "generation  " | cut -c1-260 >> $O/train-$kind.log
   echo "$kind: $(grep -E "trained|paused|error" $O/train-$kind.log | tail -1)"
 }
 
@@ -82,16 +90,21 @@ case "${1:-}" in
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
     for kind in dspark dflash; do
       gpu=$([ $kind = dspark ] && echo 0 || echo 1)
-      (
-        train $kind $gpu "${TRAIN_S:-150}"
-        CUDA_VISIBLE_DEVICES=$gpu df train "$R-$kind.yaml" --stage export --quiet 2>&1 | tail -2
-        bench $kind $gpu
+      (  # export runs only if training finished (a paused run skips it): never ship half a run
+        train $kind $gpu "${TRAIN_S:-150}" "--stage train --stage export" && bench $kind $gpu
       ) &
     done
     wait
-    tar -C dspark_flow/data/drafters -cf /tmp/drafters.tar smollm2-135m-dspark smollm2-135m-dflash
-    split -b 15M -d /tmp/drafters.tar "$OUT/drafters.tar.part_"
-    sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
+    fresh=()  # pack only drafters exported by this call (a paused run exports nothing)
+    for name in smollm2-135m-dspark smollm2-135m-dflash; do
+      if [ dspark_flow/data/drafters/$name/model.safetensors -nt /tmp/call_start ]; then fresh+=($name)
+      else echo "$name: not exported in this call (training unfinished?): not packed"; fi
+    done
+    if [ ${#fresh[@]} -gt 0 ]; then
+      tar -C dspark_flow/data/drafters -cf /tmp/drafters.tar "${fresh[@]}"
+      split -b 15M -d /tmp/drafters.tar "$OUT/drafters.tar.part_"
+      sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
+    fi
     ;;
   caps)  # the shipped DSpark drafter under draft caps auto / fixed 2 / full block, 4-bit (GPU 0) and bf16 (GPU 1)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"

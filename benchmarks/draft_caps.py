@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_curves(curves, out / "verify_cost.png", f"{target_ref} ({args.weights}) on {where}")
 
     ks = [k for k in parse_ks(args.ks) if probe.max_draft is None or k <= probe.max_draft]
+    block = min(probe.max_draft or curves.block, curves.block)  # what calibrated/auto may draft
     target = {"model": target_ref, "weights": args.weights}
     stops = [{"kind": "eos"}, {"kind": "max_tokens", "limit": args.max_tokens}]
     recipes: dict[str, dict[str, Any]] = {"greedy": {"drafter": {"kind": "none"}}}
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 + "\n\n"
             )
         if traces:
-            table += replay_report(traces, curves, ks)
+            table += replay_report(traces, curves, ks, block=block)
         header = (
             f"command: {' '.join(sys.argv)}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             f"machine: {json.dumps(info)}\n"
             f"prompts: {len(prompts)} ({args.per_category}/category), max {args.max_tokens} tokens, "
             f"{trials_done} trials, T=0; outputs equal to greedy: "
-            f"{'yes' if not mismatches else 'NO: ' + ', '.join(mismatches)}\n"
+            f"{'n/a' if not trials_done else 'yes' if not mismatches else 'NO: ' + ', '.join(mismatches)}\n"
         )
         (out / "table.md").write_text(header + "\n" + table + "\n")
         result = {
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "curves": curves.to_dict(),
             "traces": traces,
             "ks": ks,
+            "block": block,
         }
         (out / "results.json").write_text(json.dumps(result, indent=1))
         return header + "\n" + table
@@ -308,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def replay_report(
-    traces: list[dict[str, Any]], curves: Any, ks: list[int], auto: dict[str, Any] | None = None
+    traces: list[dict[str, Any]],
+    curves: Any,
+    ks: list[int],
+    auto: dict[str, Any] | None = None,
+    block: int | None = None,
 ) -> str:
     """The strategies replayed on recorded drafts (see the module docstring) as a table."""
     from dspark_flow.calibration.simulate import DraftTrace, replay_all
@@ -324,7 +330,7 @@ def replay_report(
     caps.update({f"fixed k={k}": FixedCap(FixedCapConfig(k=k)) for k in ks})
     caps["calibrated"] = CalibratedCap(CalibratedCapConfig(), curves=curves)
     caps["auto"] = AutoCap(AutoCapConfig(**(auto or {})), curves=curves)
-    runs = replay_all(caps, [DraftTrace.from_dict(t) for t in traces], curves, max(ks))
+    runs = replay_all(caps, [DraftTrace.from_dict(t) for t in traces], curves, block or max(ks))
     cats = [c for c in CATEGORIES if c in runs["greedy"]] + ["all"]
     lines = [
         "Replayed (every strategy on each prompt's recorded drafts, charged the measured "
@@ -370,9 +376,10 @@ def replay_only(args: argparse.Namespace) -> int:
         print(f"{args.replay} has no recorded drafts (made by an older version?)", file=sys.stderr)
         return 2
     source = json.loads(Path(args.curves).read_text()) if args.curves else data
-    curves = Curves.from_dict(source["curves"])
+    curves = Curves.from_dict(source.get("curves", source))
     ks = [k for k in data.get("ks", []) if k <= curves.block] or list(range(1, curves.block + 1))
-    print(replay_report(data["traces"], curves, ks, json.loads(args.auto)))
+    block = min(data.get("block") or curves.block, curves.block)
+    print(replay_report(data["traces"], curves, ks, json.loads(args.auto), block=block))
     return 0
 
 

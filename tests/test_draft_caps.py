@@ -311,8 +311,8 @@ def test_auto_probes_cost_what_they_are_expected_to_lose():
             ks.append(k)
         return ks
 
-    # Never accepted: a probe commits one token for 1.6 rounds' time (a loss of 0.375 of a
-    # round), so with probe_cost 2% probes are about 19 rounds apart.
+    # Never accepted: a probe commits one token in the time of 1.6 plain rounds (a loss of 0.6
+    # of a round), so with probe_cost 2% probes are about 30 rounds apart.
     tail = run(300, 0.0)[100:]
     drafted = [i for i, k in enumerate(tail) if k]
     assert drafted and all(b - a >= 15 for a, b in zip(drafted, drafted[1:], strict=False))
@@ -341,6 +341,19 @@ def test_auto_keeps_learning_past_the_first_position():
     # Drafting only k = 1 never shows that later positions are accepted now; auto must find out
     # and draft more than one token.
     assert ks[-20:].count(1) <= 5, ks
+
+
+def test_auto_learns_the_second_position_only_where_that_is_cheap():
+    # One drafted token verifies at 1.1x a plain round, two at 3x: learning whether a second
+    # token would be accepted costs a lot, so auto seldom tries it (about 2% of the time).
+    curves = synthetic(lambda K: {1: 1.0, 2: 1.1}.get(K, 3.0), block=7)
+    cap = AutoCap(AutoCapConfig(), curves=curves)
+    ks = []
+    for _ in range(300):  # the first position is always accepted, the second never
+        k = cap.choose(7)
+        cap.observe(k, min(k, 1), 0.0)
+        ks.append(k)
+    assert ks[50:].count(1) >= 240 and ks[50:].count(2) <= 3, ks
 
 
 # -- replaying caps on recorded drafts -----------------------------------------------------------

@@ -230,7 +230,7 @@ class CurveCap(DraftCap):
         """A generation starts after these prompt tokens. The acceptance estimate carries over
         (a drafter's hit rate says more than the prior) but with little weight: prompts differ."""
         self.depth = len(prompt_ids)
-        self._off_rounds = 0
+        self._off_rounds = self._single_rounds = 0
         if self.adaptive:
             carry = getattr(self.config, "carry_weight", 4.0)
             self.estimator.new_request(carry)
@@ -289,17 +289,20 @@ class CurveCap(DraftCap):
         cfg = self.config
         if plan.gain >= getattr(cfg, "min_gain", 1.0):
             self._off_rounds = 0
-            # Drafting one token never shows whether a second would have been accepted, so
-            # the later positions' estimate would stay wherever earlier prompts left it; now
-            # and then draft two to keep learning it.
-            if plan.k == 1 and limit >= 2:
-                self._single_rounds += 1
-                if self._single_rounds >= getattr(cfg, "probe_every", 4):
-                    self._single_rounds = 0
-                    return 2
-            return plan.k
+            if plan.k != 1 or limit < 2:
+                self._single_rounds = 0
+                return plan.k
+            # Drafting one token never shows whether a second would have been accepted, so the
+            # later positions' estimate would stay wherever earlier prompts left it: now and
+            # then draft two, as rarely as its expected cost requires.
+            self._single_rounds += 1
+            if self._single_rounds >= self._rounds_between(1, 2):
+                self._single_rounds = 0
+                return 2
+            return 1
         # Plain decoding is expected to be faster; still draft a little now and then, since the
         # estimate only moves on rounds that draft.
+        self._single_rounds = 0
         self._off_rounds += 1
         every = self._probe_every(limit)
         if every is not None and self._off_rounds >= every:
@@ -308,33 +311,39 @@ class CurveCap(DraftCap):
         return 0
 
     def _probe_every(self, limit: int) -> int | None:
-        """Rounds between probes: at least `probe_every`, and rare enough that their extra
-        verify cost stays under `probe_cost`; None when no k could pay even if every draft were
+        """Rounds between probes while off; None when no k could pay even if every draft were
         accepted (then probing learns nothing useful)."""
         assert self.curves is not None
-        cfg = self.config
         perfect = best_plan(self.curves, 1.0, self.depth, limit)
-        if perfect.gain <= getattr(cfg, "min_gain", 1.0) * (1.0 + TOLERANCE):
+        if perfect.gain <= getattr(self.config, "min_gain", 1.0) * (1.0 + TOLERANCE):
             return None  # even drafts that are always accepted would at best break even
-        k = min(getattr(cfg, "probe_k", 2), limit)
-        # A probe's expected loss against a plain round, at the current estimate: where drafts
-        # are still accepted fairly often (just below break-even) a probe costs little and runs
-        # often, so `auto` comes back quickly; where they never are, it costs a whole verify of
-        # k + 1 rows for one token and runs rarely. A drafter that seldom proposes anything
-        # (lookup without a match) makes most probes plain rounds, so it can be probed often.
+        return self._rounds_between(0, min(getattr(self.config, "probe_k", 2), limit))
+
+    def _rounds_between(self, k: int, probe: int) -> int:
+        """How often a round may draft `probe` tokens where the plan says `k`: at least every
+        `probe_every` rounds, and rarely enough that the expected loss stays under `probe_cost`
+        of the rounds' time. The loss is taken at the current estimate: just below break-even a
+        probe costs little and runs often, so `auto` comes back quickly; where drafts are never
+        accepted it costs a verify of probe + 1 rows for one token and runs rarely. A drafter
+        that seldom proposes anything (lookup without a match) makes most probes cheap."""
+        assert self.curves is not None
+        cfg = self.config
         lengths = self.lengths
         p_first, p = self.acceptance()
         table = plan_table(
             self.curves,
             p,
             self.depth,
-            k,
+            probe,
             p_first,
             survival=lengths.survival() if lengths else None,
         )
-        loss = max(0.0, 1.0 - table[k].gain)
+        base, trial = table[k], table[probe]
+        # In the time of a probe round the planned k would commit trial.seconds * base.rate
+        # tokens; the shortfall, in planned rounds, is the loss.
+        loss = max(0.0, (trial.seconds * base.rate - trial.tokens) / base.tokens)
         return max(
-            getattr(cfg, "probe_every", 16), math.ceil(loss / getattr(cfg, "probe_cost", 0.02))
+            getattr(cfg, "probe_every", 4), math.ceil(loss / getattr(cfg, "probe_cost", 0.02))
         )
 
     def observe(self, proposed: int, accepted: int, seconds: float) -> None:

@@ -133,7 +133,7 @@ def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Repl
         out.accept_lengths.append(accepted + 1)
         cap.observe(proposed, accepted, 0.0)
         j += accepted + 1
-    out.tokens = trace.num_tokens - 1
+    out.tokens = max(0, trace.num_tokens - 1)
     return out
 
 

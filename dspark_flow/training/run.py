@@ -74,7 +74,10 @@ def run_training(
     # paused by time limits) add to one summary: keep what earlier runs recorded. The work dir's
     # copy is written by every call; the output's only once the drafter is exported there.
     running = work_dir(recipe) / SUMMARY
-    previous = _read_summary(running) or _read_summary(out / SUMMARY)
+    shipped = _read_summary(out / SUMMARY)
+    # Evaluating or exporting a drafter trained elsewhere: its own summary is the record.
+    producing = "data" in stages or "train" in stages
+    previous = (_read_summary(running) or shipped) if producing else (shipped or {})
     if "data" in stages or "train" in stages:
         t0 = time.perf_counter()
         cache = data_cache_dir(recipe)
@@ -127,7 +130,8 @@ def run_training(
         # Training spread over calls (time limits, preemption): add this call to the earlier
         # ones; a call with nothing left to train leaves their record as it is.
         before = previous.get("train", {})
-        if resumed_from and before.get("steps") == resumed_from:
+        # (a call killed between checkpoints wrote no record: its steps count in the next one)
+        if resumed_from and 0 < before.get("steps", 0) <= resumed_from:
             if result.step == resumed_from:
                 summary["train"] = {**before, "paused": result.paused}
             else:
@@ -137,7 +141,8 @@ def run_training(
                 summary["train"]["calls"] = before.get("calls", 1) + 1
     if summary.get("train", {}).get("paused"):
         log.info(
-            "training paused by the time limit: run the same command again to resume",
+            "training paused by the time limit: run the same command again to resume"
+            + (" (without --fresh)" if fresh else ""),
             step=summary["train"]["steps"],
             of=recipe.train.steps,
         )
@@ -177,7 +182,9 @@ def run_training(
         running.write_text(text)
     except OSError as exc:  # the summary is a record, not a result: never fail the run for it
         log.warning("could not write the running summary", path=str(running), error=str(exc))
-    if out.is_dir():
+    # The output's copy describes the drafter in it: only a call that exported or evaluated
+    # it may rewrite it (a paused or data-only call must not relabel older weights).
+    if out.is_dir() and ("export" in stages or "eval" in stages):
         (out / SUMMARY).write_text(text)
         write_card(recipe, out)
     return summary
