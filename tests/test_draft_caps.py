@@ -495,14 +495,18 @@ def test_cli_calibrate_and_max_draft(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_a_recorded_trace_replays_the_real_loop_exactly(embedded):
+@pytest.mark.parametrize("kind", ["lookup", "dspark"])
+def test_a_recorded_trace_replays_the_real_loop_exactly(embedded, kind):
     """The replay is only worth its numbers if a fixed k replayed on a recorded trace commits
-    exactly what the real loop commits with that k, round by round."""
+    exactly what the real loop commits with that k, round by round (lookup, and a block
+    drafter that reads the target's hidden states: the shipped DSpark one)."""
     from dspark_flow.calibration.simulate import record_trace, replay
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
 
-    drafter = {"kind": "lookup", "max_draft": 8}
+    drafter: dict = {"kind": "lookup", "max_draft": 8}
+    if kind == "dspark":
+        drafter = {"kind": "dspark", "checkpoint": "builtin:smollm2-135m-dspark"}
     recorder = Pipeline.from_dict({"drafter": drafter}, target=embedded).warm_up()
     curves = synthetic(lambda K: 1.0, block=8)
     for prompt in PROMPTS:
