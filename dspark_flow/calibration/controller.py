@@ -141,14 +141,17 @@ class AdaptiveCapConfig(CurveCapConfig):
         1.0, gt=0, description="draft only when expected speed over plain decoding exceeds this"
     )
     probe_every: int = Field(
-        4, ge=1, description="while off, draft at most once every this many rounds"
+        4,
+        ge=1,
+        description="probe at most once every this many rounds: while off, a short draft; "
+        "while drafting one token, a draft of two",
     )
     probe_k: int = Field(2, ge=1, description="draft length of a probe round")
     probe_cost: float = Field(
         0.02,
         gt=0,
-        description="while off, probes may slow decoding by at most this fraction (so probes "
-        "are rarer where a draft costs more to verify)",
+        description="probes may slow decoding by at most this fraction of their rounds' time, "
+        "at the current acceptance estimate (so they are rarer where they cost more)",
     )
 
 
@@ -166,7 +169,7 @@ class CurveCap(DraftCap):
         self.depth = 0  # tokens in the context (prompt + committed) of the current generation
         self.chosen: Counter[int] = Counter()  # k per round, for reports
         self._off_rounds = 0
-        self._single_rounds = 0  # rounds in a row that drafted exactly one token
+        self._single_rounds = 0  # rounds planned at one token since the last two-token probe
         self._plans: dict[tuple[float, float, int, int], Plan] = {}
         self._lengths: LengthEstimator | None = None  # made once the block is known
         self._last_k = 0
