@@ -316,8 +316,9 @@ def replay_report(
     auto: dict[str, Any] | None = None,
     block: int | None = None,
 ) -> str:
-    """The strategies replayed on recorded drafts (see the module docstring) as a table."""
-    from dspark_flow.calibration.simulate import DraftTrace, replay_all
+    """The strategies replayed on recorded drafts (see the module docstring), rendered like
+    the measured tables: each strategy visits the prompts in order, its state carried along."""
+    from dspark_flow.calibration.simulate import DraftTrace, replay
     from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
     from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
@@ -330,42 +331,26 @@ def replay_report(
     caps.update({f"fixed k={k}": FixedCap(FixedCapConfig(k=k)) for k in ks})
     caps["calibrated"] = CalibratedCap(CalibratedCapConfig(), curves=curves)
     caps["auto"] = AutoCap(AutoCapConfig(**(auto or {})), curves=curves)
-    runs = replay_all(caps, [DraftTrace.from_dict(t) for t in traces], curves, block or max(ks))
-    cats = [c for c in CATEGORIES if c in runs["greedy"]] + ["all"]
-    lines = [
+    runs = [DraftTrace.from_dict(t) for t in traces]
+    prompts = [(t.category, "") for t in runs]
+    names = list(caps)
+    seconds: dict[str, list[list[float]]] = {n: [] for n in names}
+    taus: dict[str, list[list[float]]] = {n: [] for n in names}
+    auto_k: dict[str, Counter[int]] = defaultdict(Counter)
+    for name, cap in caps.items():
+        for trace in runs:
+            one = replay(cap, trace, curves, block or max(ks))
+            seconds[name].append([one.seconds])
+            taus[name].append([one.tokens / max(one.rounds, 1)])
+            if name == "auto":
+                auto_k[trace.category] += one.chosen
+    cats = [c for c in CATEGORIES if any(cat == c for cat, _ in prompts)] + ["all"]
+    tokens = [t.num_tokens for t in runs]
+    speed, checks = summarize(names, cats, prompts, tokens, seconds)
+    return (
         "Replayed (every strategy on each prompt's recorded drafts, charged the measured "
-        "curves; no noise, counterfactual):",
-        "",
-        "| strategy | " + " | ".join(f"{c} tok/s" for c in cats) + " | mean τ |",
-        "|---" * (len(cats) + 2) + "|",
-    ]
-    for name, per in runs.items():
-        tau = per["all"].tokens / max(per["all"].rounds, 1)
-        cells = " | ".join(f"{per[c].tokens_per_second:.1f}" for c in cats)
-        lines.append(f"| {name} | {cells} | {tau:.2f} |")
-    fixed = [n for n in runs if n.startswith("fixed")]
-    best = {c: max(fixed, key=lambda n, c=c: runs[n][c].tokens_per_second) for c in cats}
-
-    def ratio(name: str, other: dict[str, str] | str, c: str) -> str:
-        ref = other[c] if isinstance(other, dict) else other
-        return f"{runs[name][c].tokens_per_second / runs[ref][c].tokens_per_second:.3f}"
-
-    lines += [
-        "",
-        "| check | " + " | ".join(cats) + " |",
-        "|---" * (len(cats) + 1) + "|",
-        "| best fixed | " + " | ".join(best[c] for c in cats) + " |",
-        "| auto / best fixed (goal >= 0.95) | "
-        + " | ".join(ratio("auto", best, c) for c in cats)
-        + " |",
-        "| auto / greedy (goal >= 0.97) | "
-        + " | ".join(ratio("auto", "greedy", c) for c in cats)
-        + " |",
-        "| calibrated / best fixed | "
-        + " | ".join(ratio("calibrated", best, c) for c in cats)
-        + " |",
-    ]
-    return "\n".join(lines)
+        "curves; no noise, counterfactual):\n\n" + render(names, cats, speed, taus, checks, auto_k)
+    )
 
 
 def replay_only(args: argparse.Namespace) -> int:

@@ -13,9 +13,7 @@ against curves measured on a GPU, which is how `auto` is tuned without spending 
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,22 +133,3 @@ def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Repl
         j += accepted + 1
     out.tokens = max(0, trace.num_tokens - 1)
     return out
-
-
-def replay_all(
-    caps: dict[str, DraftCap], traces: Iterable[DraftTrace], curves: Curves, block: int
-) -> dict[str, dict[str, Replay]]:
-    """{cap name: {category and "all": summed Replay}}, each cap visiting the traces in order
-    (state carries from one prompt to the next, as it does in a server). The caps are copied,
-    so the originals keep their state."""
-    traces = list(traces)
-    results: dict[str, dict[str, Replay]] = {}
-    for name, cap in caps.items():
-        cap = copy.deepcopy(cap)
-        per: dict[str, Replay] = {}
-        for trace in traces:
-            one = replay(cap, trace, curves, block)
-            for key in {trace.category or "all", "all"}:
-                per.setdefault(key, Replay()).add(one)
-        results[name] = per
-    return results

@@ -77,8 +77,8 @@ def run_training(
     shipped = _read_summary(out / SUMMARY)
     # Evaluating or exporting a drafter trained elsewhere: its own summary is the record.
     producing = "data" in stages or "train" in stages
-    previous = (_read_summary(running) or shipped) if producing else (shipped or {})
-    if "data" in stages or "train" in stages:
+    previous = (_read_summary(running) or shipped) if producing else shipped
+    if producing:
         t0 = time.perf_counter()
         cache = data_cache_dir(recipe)
         try:
@@ -99,10 +99,8 @@ def run_training(
             "device": summary["device"],
         }
         before = previous.get("data", {})
-        if complete_before and {k: before.get(k) for k in ("cache", "samples")} == {
-            "cache": str(cache),
-            "samples": len(samples),
-        }:
+        same = before.get("cache") == str(cache) and before.get("samples") == len(samples)
+        if complete_before and same:
             summary["data"] = before  # the run that generated the data keeps its figures
         log.info("data ready", **summary["data"])
     if "train" in stages:
