@@ -118,6 +118,6 @@ def probe_coprefill(
     else:
         reason = f"CPU share {share}: {twin_ms / split_ms:.2f}x faster"
     extra = {"share": share, "by_share_ms": {str(s): t[0] for s, t in timings.items()}}
-    verdict = Verdict(err <= tol and faster, reason, split_ms, twin_ms, err, extra)
+    verdict = Verdict(err <= tol and faster, reason, split_ms, twin_ms, err, extra, err <= tol)
     store.put(key, verdict)
     return verdict

@@ -10,6 +10,7 @@ tolerance relative to the output's scale; a kernel that is wrong is refused howe
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -24,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 CACHE_ENV = "DSPARK_FLOW_KERNEL_CACHE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: verdicts record `correct` apart from `enabled`
 CACHE_FILE = "verdicts.json"
 MIN_GAIN = 0.05  # the kernel must be at least 5% faster than its twin
 # Largest error allowed, as a fraction of the twin's largest |output|. The twins themselves
@@ -88,6 +89,7 @@ class Verdict:
     twin_ms: float | None = None
     max_rel_err: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the co-prefill share
+    correct: bool = False  # values checked and within tolerance (enabled also needs "faster")
     cached: bool = False  # came from the cache file (not stored)
 
     @property
@@ -205,11 +207,19 @@ def probe(
     min_gain: float = MIN_GAIN,
     store: VerdictCache | None = None,
     force: bool = False,
+    exact: Op | None = None,
+    timing: tuple[Op, Op] | None = None,
 ) -> Verdict:
     """The verdict for `key`: from the cache, else measured (and cached).
 
     `make_inputs(seed)` draws random inputs; `kernel(*inputs)` returns the output, or None
     where it has no implementation (declined, not cached: nothing was measured).
+    `exact`, where given, computes the values on the host in float64 and both kernel and twin
+    are measured against it: the kernel passes if its error is within `tol` or no larger than
+    the twin's own (MLX's CUDA float32 matmuls use TF32 by default, so a twin can be further
+    from the true values than `tol`).
+    `timing`, where given, is the (kernel, twin) pair that is timed instead of the two above
+    (same work, called the way the caller's workload calls them).
     """
     store = store if store is not None else VerdictCache()
     if not force and (hit := store.get(key)) is not None:
@@ -219,21 +229,29 @@ def probe(
         outs = [kernel(*inputs) for inputs in draws]
         if any(out is None for out in outs):
             return Verdict(False, "no kernel for these inputs on this backend")
-        errs = [relative_error(out, twin(*inputs)) for out, inputs in zip(outs, draws)]
-        kernel_ms, twin_ms = time_pair(kernel, twin, draws[0])
+        bar = tol
+        if exact is None:
+            errs = [relative_error(out, twin(*inputs)) for out, inputs in zip(outs, draws)]
+        else:
+            refs = [exact(*inputs) for inputs in draws]
+            errs = [relative_error(out, ref) for out, ref in zip(outs, refs)]
+            twin_err = max(relative_error(twin(*d), ref) for d, ref in zip(draws, refs))
+            bar = max(tol, twin_err)
+        kernel_ms, twin_ms = time_pair(*(timing or (kernel, twin)), draws[0])
     except Exception as e:  # a kernel that fails to compile or launch is refused, not fatal
         verdict = Verdict(False, f"kernel failed: {type(e).__name__}: {str(e)[:300]}")
         store.put(key, verdict)
         return verdict
     err = max(errs)
     faster = twin_ms >= kernel_ms * (1.0 + min_gain)
-    if err > tol:
-        reason = f"wrong values: error {err:.3g} of output scale > tolerance {tol:g}"
+    if err > bar:
+        reason = f"wrong values: error {err:.3g} of output scale > tolerance {bar:g}"
     elif not faster:
         reason = f"not faster: {kernel_ms:.4f} ms vs twin {twin_ms:.4f} ms"
     else:
         reason = f"{twin_ms / kernel_ms:.2f}x faster, error {err:.2g}"
-    verdict = Verdict(err <= tol and faster, reason, kernel_ms, twin_ms, err)
+    extra = {} if exact is None else {"twin_err": twin_err}
+    verdict = Verdict(err <= bar and faster, reason, kernel_ms, twin_ms, err, extra, err <= bar)
     store.put(key, verdict)
     return verdict
 
@@ -289,3 +307,64 @@ def probe_qmm(
     out_dtype = dtype_name(q.output_dtype(x_dtype, s_dtype))
     tol = TOLERANCE.get(out_dtype, 1e-2)
     return probe(key, fn, q.qmm_small_m_reference, make, tol, min_gain, store, force)
+
+
+# -- the sdpa_small_q probe ----------------------------------------------------------------
+
+# Key-length buckets: a verify over T cached keys uses the verdict of the smallest bucket >= T
+# (the probe times the bucket's largest T, the kernel's worst case in it); longer contexts take
+# the stock path.
+KEY_BUCKETS = (512, 2048, 8192)
+
+
+def key_bucket(keys: int) -> int | None:
+    """The probed bucket whose verdict applies to attention over `keys` keys (None: too long)."""
+    return next((b for b in KEY_BUCKETS if keys <= b), None)
+
+
+def fresh_key_lengths(fn: Op, keys: int) -> Op:
+    """`fn` called as decoding calls attention: each call over a key length the previous calls
+    did not use (walking down from `keys` through keys // 2 lengths, then round again). A twin
+    that caches work per shape (cuDNN graphs) pays for it here as it does in decoding, where
+    the key length grows every step; timed at one repeated length it would not."""
+    calls = itertools.count()
+    span = max(1, keys // 2)
+
+    def call(q: Any, k: Any, v: Any, scale: float, mask: Any = None) -> Any:
+        t = keys - next(calls) % span
+        return fn(q, k[:, :, :t], v[:, :, :t], scale, mask)
+
+    return call
+
+
+def probe_sdpa(
+    queries: int,
+    keys: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    kernel: Op | None = None,
+    min_gain: float = MIN_GAIN,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """Whether `sdpa_small_q` should replace MLX's attention for `queries` causal queries over
+    `keys` cached keys (the key/value slices strided as mlx-lm's cache hands them over).
+    Values are checked at `keys`; the timing walks over fresh key lengths (`fresh_key_lengths`)."""
+    from dspark_flow.kernels import sdpa_small_q as a
+
+    make = a.attention_inputs(queries, keys, q_heads, kv_heads, head_dim, dtype)
+    if kernel is None:
+        why = a.shape_reason(queries, q_heads, kv_heads, head_dim, dtype, True, keys)
+        if why is not None:
+            return Verdict(False, why)  # declined before any timing; not cached
+        name, version, fn = a.KERNEL_NAME, a.KERNEL_VERSION, a.sdpa_small_q
+    else:
+        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal-fresh-lengths"
+    key = ProbeKey.make(name, version, fmt, queries, keys, head_dim, dtype_name(dtype))
+    tol = TOLERANCE.get(dtype_name(dtype), 1e-2)
+    twin, exact = a.sdpa_small_q_reference, a.sdpa_small_q_float64
+    timing = (fresh_key_lengths(fn, keys), fresh_key_lengths(twin, keys))
+    return probe(key, fn, twin, make, tol, min_gain, store, force, exact, timing)

@@ -16,6 +16,7 @@ import pytest
 
 from dspark_flow.kernels import coprefill, probe
 from dspark_flow.kernels import qmm_small_m as q
+from dspark_flow.kernels import sdpa_small_q as a
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.verifiers.kernels import KernelsConfig, KernelVerifier
 
@@ -252,8 +253,9 @@ def test_kernels_verifier_routes_only_enabled_shapes(monkeypatch, tiny_quantized
     verifier = KernelVerifier(KernelsConfig(), kernel=kernel)
     recipe = _recipe({"kind": "lookup"}, limit=12)
     spec = Pipeline.from_dict(recipe, target=tiny_quantized, verifier=verifier).warm_up()
-    assert len(verifier.verdicts) == 16 * 5  # 5 distinct (N, K) in the tiny model, rows 1..16
-    assert all(v["enabled"] == (v["rows"] <= 4) for v in verifier.verdicts)
+    matmuls = [v for v in verifier.verdicts if v["kernel"] == "qmm_small_m"]
+    assert len(matmuls) == 16 * 5  # 5 distinct (N, K) in the tiny model, rows 1..16
+    assert all(v["enabled"] == (v["rows"] <= 4) for v in matmuls)
     layer = model.model.layers[0].mlp.up_proj
     assert type(layer).__name__ == "RoutedQuantizedLinear" and isinstance(layer, nn.QuantizedLinear)
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}, limit=12), target=tiny_quantized)
@@ -275,7 +277,10 @@ def test_kernels_verifier_refuses_a_wrong_kernel(tiny_quantized):
     def wrong(x, w, scales, biases, group_size, bits):
         return mx.zeros((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
 
-    verifier = KernelVerifier(KernelsConfig(max_rows=4), kernel=wrong)
+    def wrong_attn(q, k, v, scale, mask=None):
+        return a.sdpa_small_q_emulated(q, k, v, scale * 1.5, mask)  # a wrong softmax scale
+
+    verifier = KernelVerifier(KernelsConfig(max_rows=4), kernel=wrong, attention_kernel=wrong_attn)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
     assert verifier.verdicts and not any(v["enabled"] for v in verifier.verdicts)
@@ -293,7 +298,186 @@ def test_kernels_verifier_on_a_dense_model_is_the_reference():
     model = tiny_model(seed=5)
     verifier = KernelVerifier()
     verifier.warm_up(BuildContext(model=model, tokenizer=None, recipe=None))
-    assert verifier.verdicts == [] and verifier.kernel_calls == 0
+    # No quantized matmul to probe; the attention is probed (and declined on the CPU).
+    assert all(v["kernel"] == "sdpa_small_q" for v in verifier.verdicts)
+    if ON_CPU:
+        assert verifier.verdicts and not any(v["enabled"] for v in verifier.verdicts)
+        from mlx_lm.models import llama
+
+        assert not hasattr(llama.scaled_dot_product_attention, "dspark_flow_original")
+    assert verifier.kernel_calls == 0 and verifier.attention_calls == 0
     tokens = [504, 2365, 6354]
     got = verifier.forward(model, tokens, None)
     assert mx.array_equal(got, ReferenceVerifier().forward(model, tokens, None))
+
+
+# -- attention: sdpa_small_q -----------------------------------------------------------------
+
+# The embedded target's attention: 9 query heads over 3 key/value heads of 64.
+HEADS = (9, 3, 64)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("queries,keys", [(1, 1), (1, 300), (2, 2), (4, 37), (8, 300), (16, 600)])
+def test_attention_twin_emulation_and_float64_agree(queries, keys, dtype):
+    q_, k_, v_, scale, _ = a.attention_inputs(queries, keys, *HEADS, dtype)(queries)
+    mask = "causal" if queries > 1 else None
+    twin = a.sdpa_small_q_reference(q_, k_, v_, scale, mask)
+    tol = 1e-5 if dtype == mx.float32 else probe.TOLERANCE["bfloat16"]
+    for other in (a.sdpa_small_q_emulated, a.sdpa_small_q_float64):
+        got = other(q_, k_, v_, scale, mask)
+        assert got.shape == twin.shape and got.dtype == dtype
+        assert probe.relative_error(got, twin) < tol, other.__name__
+    out = a.sdpa_small_q(q_, k_, v_, scale, mask)
+    if ON_CPU:
+        assert out is None and "cpu backend" in a.unsupported_reason(q_, k_, v_, mask)
+    else:  # a GPU backend with a kernel: it must agree with the float64 values
+        exact = a.sdpa_small_q_float64(q_, k_, v_, scale, mask)
+        assert out is None or probe.relative_error(out, exact) < tol
+
+
+def test_attention_causal_rows_see_their_own_prefix():
+    # Row i of L causal queries over T keys is the one-query attention over the first T-L+i+1.
+    q_, k_, v_, scale, _ = a.attention_inputs(5, 40, *HEADS, mx.float32)(7)
+    full = a.sdpa_small_q_float64(q_, k_, v_, scale, "causal")
+    for i in range(5):
+        row = a.sdpa_small_q_float64(q_[:, :, i : i + 1], k_[:, :, : 36 + i], v_[:, :, : 36 + i],
+                                     scale)  # fmt: skip
+        assert probe.relative_error(full[:, :, i : i + 1], row) < 1e-6
+
+
+def test_attention_dispatcher_reasons():
+    f32 = mx.float32
+    assert a.shape_reason(4, 9, 3, 64, f32, True, 300, backend="cuda") is None
+    assert "queries" in a.shape_reason(17, 9, 3, 64, f32, True, 300, backend="cuda")
+    assert "head dim" in a.shape_reason(4, 9, 3, 80, f32, True, 300, backend="cuda")
+    assert "group" in a.shape_reason(4, 9, 2, 64, f32, True, 300, backend="cuda")
+    assert "dtype" in a.shape_reason(4, 9, 3, 64, mx.int32, True, 300, backend="cuda")
+    assert "at least as many keys" in a.shape_reason(8, 9, 3, 64, f32, True, 5, backend="cuda")
+    q_, k_, v_, scale, _ = a.attention_inputs(4, 40, *HEADS, f32)(0)
+    assert a.unsupported_reason(q_, k_, v_, "causal", backend="cuda") is None
+    assert "mask" in a.unsupported_reason(q_, k_, v_, mx.ones((4, 40)), backend="cuda")
+    assert "dtype" in a.unsupported_reason(q_, k_.astype(mx.float16), v_, None, backend="cuda")
+    assert [probe.key_bucket(t) for t in (1, 512, 513, 8192, 8193)] == [512, 512, 2048, 8192, None]
+
+
+@cpu_only
+def test_attention_probe_declines_on_cpu_and_judges_injected_kernels(monkeypatch, kernel_cache):
+    v = probe.probe_sdpa(4, 512, *HEADS, mx.float32)
+    assert not v.enabled and "cpu" in v.reason and not kernel_cache.exists()
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(1.0, 2.0))
+    good = probe.probe_sdpa(4, 512, *HEADS, mx.float32, kernel=a.sdpa_small_q_emulated)
+    assert good.enabled and good.max_rel_err < 1e-5 and good.extra["twin_err"] < 1e-5
+
+    def no_mask(q_, k_, v_, scale, mask=None):
+        return a.sdpa_small_q_emulated(q_, k_, v_, scale, None)
+
+    bad = probe.probe_sdpa(4, 512, *HEADS, mx.float32, kernel=no_mask)
+    assert not bad.enabled and bad.reason.startswith("wrong values")
+
+
+def test_probe_measures_kernel_and_twin_against_exact_values(monkeypatch, kernel_cache):
+    # On CUDA the twin may run in TF32: a kernel as close to the true values as the twin passes,
+    # one further away is refused (tolerance 1e-4 alone would refuse both).
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(1.0, 2.0))
+    x = mx.random.normal((4, 64), key=mx.random.key(1))
+
+    def make(seed):
+        return (x,)
+
+    def exact(x_):
+        return x_ * 2
+
+    def twin(x_):
+        return x_ * 2 * (1 + 2e-3)
+
+    def run(offset, name):
+        key = probe.ProbeKey.make(name, "1", "test", 4, 64, 64, "float32")
+        kernel = lambda x_: x_ * 2 * (1 + offset)  # noqa: E731
+        return probe.probe(key, kernel, twin, make, 1e-4, exact=exact)
+
+    assert run(1e-3, "closer").enabled
+    far = run(3e-3, "further")
+    assert not far.enabled and far.reason.startswith("wrong values")
+    assert far.extra["twin_err"] == pytest.approx(2e-3, rel=1e-3)
+
+
+@cpu_only
+def test_kernels_verifier_routes_attention(monkeypatch, tiny_quantized):
+    from mlx_lm.models import llama
+
+    original = llama.scaled_dot_product_attention
+
+    def timer(kernel, twin, inputs, **_):  # the attention kernel "wins" for 2..8 queries
+        if isinstance(inputs[3], float):
+            return (1.0, 2.0) if 2 <= inputs[0].shape[2] <= 8 else (2.0, 1.0)
+        return 2.0, 1.0  # the matmul kernel never does
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    seen = []
+
+    def attention(q_, k_, v_, scale, mask=None):
+        seen.append((q_.shape[2], k_.shape[2], mask))
+        return a.sdpa_small_q_emulated(q_, k_, v_, scale, mask)
+
+    verifier = KernelVerifier(KernelsConfig(max_rows=8), kernel=q.qmm_small_m_emulated,
+                              attention_kernel=attention)  # fmt: skip
+    recipe = _recipe({"kind": "lookup"}, limit=16)
+    spec = Pipeline.from_dict(recipe, target=tiny_quantized, verifier=verifier).warm_up()
+    attn = [v for v in verifier.verdicts if v["kernel"] == "sdpa_small_q"]
+    assert len(attn) == 8 * len(probe.KEY_BUCKETS)
+    assert all(v["enabled"] == (2 <= v["rows"] <= 8) for v in attn)
+    assert llama.scaled_dot_product_attention is not original  # wrapped
+    model = tiny_quantized[0]
+    assert type(model.model.layers[0].mlp.up_proj) is nn.QuantizedLinear  # no matmul won
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}, limit=16), target=tiny_quantized)
+    prompt = [504, 2365, 6354, 504, 2365, 6354, 504, 2365]
+    seen.clear()
+    want = greedy.generate(prompt).token_ids  # another pipeline's verifier: stock attention
+    assert not seen
+    got = spec.generate(prompt)
+    assert got.token_ids == want and verifier.attention_calls == len(seen) > 0
+    assert all(2 <= rows <= 8 and mask == "causal" for rows, _, mask in seen)
+    verifier.restore()
+    assert llama.scaled_dot_product_attention is original
+
+
+@cpu_only
+def test_invariant_mode_takes_correct_kernels_even_when_slower(monkeypatch, tiny_quantized):
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))  # every kernel is slower
+    verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True),
+                              kernel=q.qmm_small_m_emulated,
+                              attention_kernel=a.sdpa_small_q_emulated)  # fmt: skip
+    spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
+    spec.warm_up()
+    assert verifier.verdicts and all(v["correct"] and not v["enabled"] for v in verifier.verdicts)
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
+    prompt = [504, 2365, 6354, 504, 2365]
+    assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
+    assert verifier.kernel_calls > 0 and verifier.attention_calls > 0
+    verifier.restore()
+
+
+def test_attention_is_timed_over_fresh_key_lengths(monkeypatch, kernel_cache):
+    # Decoding meets a new key length every step; a twin caching per shape must pay for it.
+    seen = []
+
+    def record(q_, k_, v_, scale, mask=None):
+        seen.append(k_.shape[2])
+        return a.sdpa_small_q_emulated(q_, k_, v_, scale, mask)
+
+    timed = probe.fresh_key_lengths(record, 512)
+    inputs = a.attention_inputs(4, 512, *HEADS, mx.float32)(0)
+    for _ in range(300):
+        timed(*inputs)
+    assert seen[:3] == [512, 511, 510] and len(set(seen[:256])) == 256 and min(seen) == 257
+    timings = []
+
+    def timer(kernel, twin, inputs_, **_):
+        timings.append((kernel, twin))
+        return 1.0, 2.0
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    v = probe.probe_sdpa(4, 512, *HEADS, mx.float32, kernel=record)
+    assert v.enabled and v.max_rel_err < 1e-5  # values checked at the bucket's full length
+    assert timings[0][0] is not record  # the timed pair is the fresh-length wrapper

@@ -1,19 +1,23 @@
-"""verifier `kernels`: the reference forward, with the target's quantized matmuls routed through
-`dspark_flow.kernels` for the shapes where a probe on this machine said the kernel is correct
-and faster (see docs/kernels.md).
+"""verifier `kernels`: the reference forward, with the target's quantized matmuls and its
+attention routed through `dspark_flow.kernels` for the shapes where a probe on this machine said
+the kernel is correct and faster (see docs/kernels.md).
 
 warm_up finds the target's quantized layers (QuantizedLinear, and a QuantizedEmbedding used as
-the tied output head), runs one recording forward to learn each layer's activation dtype, then
-probes every verify shape (rows 1..max_rows) of every distinct layer shape; verdicts are cached
+the tied output head), runs one recording forward to learn each layer's activation dtype and the
+attention's heads and dtype, then probes every verify shape (rows 1..max_rows) of every distinct
+layer shape and every query count of the attention (per key-length bucket); verdicts are cached
 per machine. Layers are rerouted by swapping their class to a subclass whose matmul asks the
-router first (reversible with `restore()`; nothing global is patched). The router is active only
-inside this verifier's `forward`, so anything else running the same model gets the stock path.
-Where no shape is enabled (the CPU backend always) nothing is swapped: output = `reference`.
+router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
+model modules call (the wrapper passes through to the original unless a router is active;
+`restore()` undoes both). The router is active only inside this verifier's `forward`, so
+anything else running the same model gets the stock path. Where nothing is enabled (the CPU
+backend always) nothing is swapped or wrapped: output = `reference`.
 """
 
 from __future__ import annotations
 
 import contextvars
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,6 +36,10 @@ _ROUTER: contextvars.ContextVar[_Router | None] = contextvars.ContextVar(
     "dspark_flow_kernel_router", default=None
 )
 _SUBCLASSES: dict[type, type] = {}
+# Model modules whose `scaled_dot_product_attention` we wrapped: module name -> (the original
+# function, the verifiers relying on the wrapper); the last one to restore puts it back.
+_WRAPPED: dict[str, tuple[Callable[..., Any], set[int]]] = {}
+_ATTENTION_FN = "scaled_dot_product_attention"
 
 
 class KernelsConfig(StrategyConfig):
@@ -39,6 +47,14 @@ class KernelsConfig(StrategyConfig):
     max_rows: int = Field(16, ge=1, le=16, description="largest verify forward routed (rows)")
     min_gain: float = Field(0.05, ge=0.0, description="speedup over the twin a kernel needs")
     head: bool = Field(True, description="route the tied output head (QuantizedEmbedding) too")
+    matmuls: bool = Field(True, description="route the quantized matmuls (qmm_small_m)")
+    attention: bool = Field(True, description="route verify-side attention (sdpa_small_q)")
+    invariant: bool = Field(
+        False,
+        description="take the kernels for every row count 1..max_rows where they are correct, "
+        "faster or not: a token's logits then do not depend on how many tokens one forward "
+        "holds, so speculation reproduces this verifier's own greedy output bit for bit",
+    )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
 
@@ -57,8 +73,18 @@ class _Route:
     shares: dict[int, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _AttentionRoute:
+    """The attention shape the model runs (query heads, key/value heads, head dim, dtype) and
+    the query counts enabled for the kernel per key-length bucket (bit r set: r queries)."""
+
+    shape: tuple[int, int, int, mx.Dtype]
+    rows_masks: dict[int, int] = field(default_factory=dict)
+
+
 class _Router:
-    """Decides each routed matmul's path; kept lean (it runs ~200 times per forward)."""
+    """Decides each routed matmul's and attention's path; kept lean (it runs ~200 times per
+    forward)."""
 
     def __init__(self, kernel: Callable[..., Any], max_rows: int):
         self.kernel = kernel
@@ -66,6 +92,32 @@ class _Router:
         self.recording: dict[int, mx.Dtype] | None = None
         self.routes: dict[int, _Route] = {}  # by id(module)
         self.calls = 0  # matmuls that took a kernel (for reports and tests)
+        self.attention_kernel: Callable[..., Any] | None = None
+        self.attention: _AttentionRoute | None = None
+        self.attention_seen: set[tuple[int, int, int, mx.Dtype]] = set()  # while recording
+        self.attention_calls = 0
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Any, scale: float, mask: Any,
+               sinks: Any) -> mx.array | None:  # fmt: skip
+        if self.recording is not None:
+            self.attention_seen.add((q.shape[1], k.shape[1], q.shape[3], q.dtype))
+            return None
+        route = self.attention
+        if route is None or sinks is not None or hasattr(cache, "bits"):
+            return None  # quantized caches and attention sinks keep the stock path
+        if mask is not None and not isinstance(mask, str):
+            return None  # an explicit mask array (padding, windows): stock
+        if (q.shape[1], k.shape[1], q.shape[3], q.dtype) != route.shape or q.shape[0] != 1:
+            return None
+        from dspark_flow.kernels.probe import key_bucket
+
+        rows = q.shape[2]
+        bucket = key_bucket(k.shape[2])
+        if bucket is None or not route.rows_masks.get(bucket, 0) >> rows & 1:
+            return None
+        self.attention_calls += 1
+        assert self.attention_kernel is not None
+        return self.attention_kernel(q, k, v, scale, mask)
 
     def matmul(self, module: nn.Module, x: mx.array) -> mx.array | None:
         if self.recording is not None:
@@ -103,6 +155,43 @@ def _routed_as_linear(self: nn.Module, x: mx.array) -> mx.array:
     return super(type(self), self).as_linear(x) if y is None else y
 
 
+def _routed_attention(original: Callable[..., Any]) -> Callable[..., Any]:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        router = _ROUTER.get()
+        if router is not None:
+            out = router.attend(queries, keys, values, cache, scale, mask, sinks)
+            if out is not None:
+                return out
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.dspark_flow_original = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def _attention_modules(model: nn.Module) -> list[str]:
+    """The Python modules of the model's classes that call mlx-lm's attention function."""
+    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+    return sorted(n for n in names if callable(getattr(sys.modules.get(n), _ATTENTION_FN, None)))
+
+
+def _wrap_attention(module_name: str, owner: int) -> None:
+    module = sys.modules[module_name]
+    if module_name not in _WRAPPED:
+        original = getattr(module, _ATTENTION_FN)
+        _WRAPPED[module_name] = (original, set())
+        setattr(module, _ATTENTION_FN, _routed_attention(original))
+    _WRAPPED[module_name][1].add(owner)
+
+
+def _unwrap_attention(owner: int) -> None:
+    for name in [n for n, (_, owners) in _WRAPPED.items() if owner in owners]:
+        original, owners = _WRAPPED[name]
+        owners.discard(owner)
+        if not owners:
+            setattr(sys.modules[name], _ATTENTION_FN, original)
+            del _WRAPPED[name]
+
+
 def _routed_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
         method = "as_linear" if issubclass(cls, nn.QuantizedEmbedding) else "__call__"
@@ -116,11 +205,16 @@ class KernelVerifier(Verifier):
     config: KernelsConfig
 
     def __init__(
-        self, config: KernelsConfig | None = None, kernel: Callable[..., Any] | None = None
+        self,
+        config: KernelsConfig | None = None,
+        kernel: Callable[..., Any] | None = None,
+        attention_kernel: Callable[..., Any] | None = None,
     ):
-        """`kernel` replaces `qmm_small_m` (tests inject fakes; the probe still judges them)."""
+        """`kernel` and `attention_kernel` replace `qmm_small_m` and `sdpa_small_q` (tests
+        inject fakes; the probe still judges them)."""
         super().__init__(config)
         self._kernel = kernel
+        self._attention_kernel = attention_kernel
         self._router: _Router | None = None
         self._swapped: list[tuple[nn.Module, type]] = []
         self._warmed: int | None = None  # id of the model warmed for (pipelines may share us)
@@ -146,15 +240,17 @@ class KernelVerifier(Verifier):
                 module.__class__ = _routed_class(type(module))
 
     def restore(self) -> None:
-        """Give the swapped layers their own classes back."""
+        """Give the swapped layers their own classes back and unwrap the attention."""
         for module, cls in self._swapped:
             module.__class__ = cls
         self._swapped.clear()
+        _unwrap_attention(id(self))
 
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self, ctx: BuildContext) -> None:
         from dspark_flow.kernels import qmm_small_m as q
+        from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import VerdictCache, dtype_name, probe_qmm
 
         cfg = self.config
@@ -162,15 +258,19 @@ class KernelVerifier(Verifier):
             return
         self.restore()
         self._router, self._warmed, self.verdicts = None, id(ctx.model), []
-        layers = self._layers(ctx.model)
-        if not layers:
-            log.info("kernels verifier: the target has no affine-quantized layers")
+        layers = self._layers(ctx.model) if cfg.matmuls else []
+        attention_modules = _attention_modules(ctx.model) if cfg.attention else []
+        if not layers and not attention_modules:
+            log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
         router = _Router(self._kernel or q.qmm_small_m_trusted, cfg.max_rows)
+        router.attention_kernel = self._attention_kernel or a.sdpa_small_q_trusted
         self._swap(layers)
+        for name in attention_modules:
+            _wrap_attention(name, id(self))
         router.recording = {}
         token = _ROUTER.set(router)
-        try:  # one token, no cache: learns the activation dtype each layer sees
+        try:  # one token, no cache: learns each layer's activation dtype, the attention shape
             mx.eval(ctx.model(mx.array([[1]], dtype=mx.uint32)))
         finally:
             _ROUTER.reset(token)
@@ -189,28 +289,62 @@ class KernelVerifier(Verifier):
                     rows, n, k, bits, gs, x_dtype, s_dtype, self._kernel, cfg.min_gain, store,
                     cfg.reprobe,
                 )  # fmt: skip
-                self._note("qmm_small_m", rows, n, k, bits, gs, dtype_name(x_dtype), v)
-                if v.enabled:
+                self._note("qmm_small_m", v, rows=rows, n=n, k=k, bits=bits, group_size=gs,
+                           dtype=dtype_name(x_dtype))  # fmt: skip
+                if self._take(v):
                     for m in group:
                         route = router.routes.setdefault(id(m), _Route(x_dtype))
                         route.rows_mask |= 1 << rows
             if cfg.coprefill:
                 self._probe_coprefill(router, group, n, k, bits, gs, x_dtype, s_dtype, store)
+        if len(router.attention_seen) == 1:  # one attention shape: every layer alike
+            router.attention = self._probe_attention(next(iter(router.attention_seen)), store)
+        if router.attention is None:
+            _unwrap_attention(id(self))
+        wrong = [v for v in self.verdicts if not v["correct"]]
+        if cfg.invariant and wrong and q.kernel_backend() is not None:  # (none: nothing to say)
+            log.warning("kernels verifier: not invariant, some shapes keep the stock path",
+                        shapes=len(wrong), reason=wrong[0]["reason"])  # fmt: skip
         # Only routed layers keep the routed class; the rest get their own back.
         keep = [(m, c) for m, c in self._swapped if id(m) in router.routes]
         for module, cls in self._swapped:
             if id(module) not in router.routes:
                 module.__class__ = cls
         self._swapped = keep
-        if router.routes:
+        if router.routes or router.attention is not None:
             self._router = router
             rows_on = sorted(
                 {r for rt in router.routes.values() for r in range(17) if rt.rows_mask >> r & 1}
             )
-            log.info("kernels verifier: kernels enabled", layers=len(keep), rows=rows_on)
+            attention_on = {
+                bucket: [r for r in range(17) if mask >> r & 1]
+                for bucket, mask in (router.attention.rows_masks if router.attention else {}).items()
+            }  # fmt: skip
+            log.info("kernels verifier: kernels enabled", layers=len(keep), rows=rows_on,
+                     attention_queries_by_keys=attention_on)  # fmt: skip
         else:
             why = self.verdicts[0]["reason"] if self.verdicts else "no shapes"
             log.info("kernels verifier: every probe declined", reason=why)
+
+    def _probe_attention(
+        self, shape: tuple[int, int, int, mx.Dtype], store: Any
+    ) -> _AttentionRoute | None:
+        """Probe the attention for 1..max_rows queries in every key-length bucket."""
+        from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
+
+        hq, hkv, d, dtype = shape
+        route = _AttentionRoute(shape)
+        for bucket in KEY_BUCKETS:
+            for rows in range(1, self.config.max_rows + 1):
+                v = probe_sdpa(
+                    rows, bucket, hq, hkv, d, dtype, self._attention_kernel, self.config.min_gain,
+                    store, self.config.reprobe,
+                )  # fmt: skip
+                self._note("sdpa_small_q", v, rows=rows, keys=bucket, q_heads=hq, kv_heads=hkv,
+                           head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
+                if self._take(v):
+                    route.rows_masks[bucket] = route.rows_masks.get(bucket, 0) | 1 << rows
+        return route if route.rows_masks else None
 
     def _probe_coprefill(self, router, group, n, k, bits, gs, x_dtype, s_dtype, store) -> None:
         from dspark_flow.kernels.coprefill import ROW_BUCKETS, probe_coprefill
@@ -221,22 +355,29 @@ class KernelVerifier(Verifier):
                 rows, n, k, bits, gs, x_dtype, s_dtype, self.config.min_gain, store,
                 self.config.reprobe,
             )  # fmt: skip
-            self._note("coprefill_qmm", rows, n, k, bits, gs, dtype_name(x_dtype), v)
+            self._note("coprefill_qmm", v, rows=rows, n=n, k=k, bits=bits, group_size=gs,
+                       dtype=dtype_name(x_dtype))  # fmt: skip
             if v.enabled:
                 for m in group:
                     route = router.routes.setdefault(id(m), _Route(x_dtype))
                     route.shares[rows] = float(v.extra["share"])
 
-    def _note(self, kernel: str, rows, n, k, bits, gs, dtype: str, v: Any) -> None:
-        self.verdicts.append(
-            {"kernel": kernel, "rows": rows, "n": n, "k": k, "bits": bits, "group_size": gs,
-             "dtype": dtype, **v.to_json(), "cached": v.cached}
-        )  # fmt: skip
+    def _take(self, v: Any) -> bool:
+        """Whether a probed shape takes the kernel: faster and correct, or (invariant) correct."""
+        return v.enabled or (self.config.invariant and v.correct)
+
+    def _note(self, kernel: str, v: Any, **shape: Any) -> None:
+        self.verdicts.append({"kernel": kernel, **shape, **v.to_json(), "cached": v.cached})
 
     @property
     def kernel_calls(self) -> int:
         """Matmuls that went through a kernel so far."""
         return self._router.calls if self._router is not None else 0
+
+    @property
+    def attention_calls(self) -> int:
+        """Attention calls that went through the kernel so far."""
+        return self._router.attention_calls if self._router is not None else 0
 
     # -- forward ---------------------------------------------------------------------------
 
