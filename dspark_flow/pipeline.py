@@ -55,9 +55,14 @@ class Pipeline:
 
     @classmethod
     def from_yaml(
-        cls, path: str | Path, overrides: list[str] | None = None, target: Any = None
+        cls,
+        path: str | Path,
+        overrides: list[str] | None = None,
+        target: Any = None,
+        defaults: dict[str, Any] | None = None,
     ) -> Pipeline:
-        return cls(load_recipe(path, overrides), target=target)
+        """`defaults`: sections for slots the file leaves out (the CLI passes TOOL_DEFAULTS)."""
+        return cls(load_recipe(path, overrides, defaults), target=target)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], target: Any = None, **strategies: Any) -> Pipeline:

@@ -34,6 +34,19 @@ def test_defaults_fill_missing_sections():
     assert [s.kind for s in recipe.stop] == ["eos", "max_tokens"]
 
 
+def test_tool_defaults_fill_only_slots_the_user_left_out():
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
+
+    recipe = loads_recipe("version: 1\n", defaults=TOOL_DEFAULTS)
+    assert recipe.verifier.kind == "kernels" and recipe.verifier.invariant
+    assert loads_recipe("version: 1\n").verifier.kind == "reference"  # the library's default
+    mine = loads_recipe("verifier: {kind: reference}\n", defaults=TOOL_DEFAULTS)
+    assert mine.verifier.kind == "reference"
+    for override in ["verifier.kind=reference", "verifier={kind: reference}"]:
+        recipe = loads_recipe("version: 1\n", overrides=[override], defaults=TOOL_DEFAULTS)
+        assert recipe.verifier.kind == "reference", override
+
+
 def test_every_problem_reported_at_once_with_positions():
     text = (
         "version: 1\n"

@@ -42,6 +42,13 @@ def server(embedded):
     engine.stop()
 
 
+def test_server_pipelines_take_the_probed_kernels_verifier():
+    # Like the CLI, the server fills in the kernels verifier where the recipe names none.
+    assert build_pipeline(RECIPE).recipe.verifier.kind == "kernels"
+    explicit = build_pipeline(RECIPE, ["verifier={kind: reference}"])
+    assert explicit.recipe.verifier.kind == "reference"
+
+
 @pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dspark_flow.pipeline import Pipeline
-from dspark_flow.recipe.schema import Recipe
+from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
 
 ModeKind = Literal["ours", "mlx_lm", "mlx_lm_spec"]
 GREEDY = "greedy"
@@ -155,7 +155,7 @@ def plan_recipes(
             model, tok = comps.model, comps.tokenizer
         else:
             source = str(item)
-            recipe = load_recipe(item, list(overrides))
+            recipe = load_recipe(item, list(overrides), TOOL_DEFAULTS)  # as `run` builds it
             spec = recipe.target
             fmt = choose_weight_format(spec.weights)
             key = (spec.model, spec.revision, fmt)

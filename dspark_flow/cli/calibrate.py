@@ -71,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
     from dspark_flow.calibration.store import CurveStore
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.recipe.load import load_recipe
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
     from dspark_flow.strategies.draft_caps.fixed import FixedCap
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, TOOL_DEFAULTS)  # what `run` would build
     settings = _cap_settings(recipe)
     depths = settings.get("depths") or [64, 512, 2048]
     if args.depths:

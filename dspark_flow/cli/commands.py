@@ -53,7 +53,9 @@ def _run(args: argparse.Namespace) -> int:
         section = "{kind: auto}" if cap == "auto" else f"{{kind: fixed, k: {int(cap)}}}"
         args.overrides = [f"draft_cap={section}", *args.overrides]
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    pipeline = Pipeline.from_yaml(args.recipe, overrides=args.overrides).warm_up()
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
+
+    pipeline = Pipeline.from_yaml(args.recipe, args.overrides, defaults=TOOL_DEFAULTS).warm_up()
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)

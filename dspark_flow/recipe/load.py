@@ -199,9 +199,14 @@ def validate(
     )
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file; raise `RecipeError` listing every problem."""
-    return loads_recipe(read_recipe_text(path), source=str(path), overrides=overrides)
+def load_recipe(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> Recipe:
+    """Read, override and validate a recipe file; raise `RecipeError` listing every problem.
+    `defaults`: sections for slots neither the file nor an override sets (e.g. TOOL_DEFAULTS)."""
+    return loads_recipe(read_recipe_text(path), str(path), overrides, defaults)
 
 
 def read_recipe_text(path: str | Path, what: str = "recipe") -> str:
@@ -225,9 +230,17 @@ def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
         raise RecipeError(f"{source}{pos} malformed YAML: {reason}") from None
 
 
-def loads_recipe(text: str, source: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
+def loads_recipe(
+    text: str,
+    source: str = "<recipe>",
+    overrides: list[str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> Recipe:
     data, root = parse_yaml(text, source)
     if data is None:
         data = {}
     overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else {}
+    if isinstance(data, dict):  # after the overrides: a slot the user touched is theirs whole
+        for slot, section in (defaults or {}).items():
+            data.setdefault(slot, copy.deepcopy(section))
     return validate(data, source=source, root=root, overridden=overridden)

@@ -26,6 +26,13 @@ SLOT_DEFAULTS: dict[str, Any] = {
     "stop": [{"kind": "eos"}, {"kind": "max_tokens"}],
 }
 
+# What the command line (run, bench, calibrate) and the server fill in where a recipe leaves a
+# slot out; the library keeps SLOT_DEFAULTS. The kernels verifier takes a kernel only where its
+# probe on this machine found it correct (and, invariant, keeps every row count on the same
+# arithmetic so that speculation reproduces greedy bit for bit); where no kernel runs (the CPU
+# always) it is the reference verifier.
+TOOL_DEFAULTS: dict[str, Any] = {"verifier": {"kind": "kernels", "invariant": True}}
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

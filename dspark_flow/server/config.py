@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.recipe.load import load_recipe, parse_override
-from dspark_flow.recipe.schema import Recipe
+from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
 
 MiB = 2**20
 DEFAULT_MAX_BODY_BYTES = 4 * MiB
@@ -55,6 +55,8 @@ def build_pipeline(
     target: object = None,
 ) -> Pipeline:
     recipe = load_recipe(
-        recipe_path, server_overrides(overrides or [], cache_bytes, max_active_bytes)
+        recipe_path,
+        server_overrides(overrides or [], cache_bytes, max_active_bytes),
+        TOOL_DEFAULTS,
     )
     return Pipeline(recipe, target=target)  # type: ignore[arg-type]
