@@ -166,7 +166,13 @@ def measure_verify(
     forward: Forward | None = None,
     vocab: int | None = None,
 ) -> list[list[float]]:
-    """Median seconds of one verify round for K = 1..max_rows rows at each depth."""
+    """Median seconds of one verify round for K = 1..max_rows rows at each depth.
+
+    Every timed forward meets a key length it has not seen before, as in decoding: after each
+    one the cache is trimmed back and advanced by one untimed token. Backends that cache work
+    per shape (MLX's CUDA attention from 4 queries: cuDNN graphs, the composite's matmuls) pay
+    that cost in decoding every step, and a curve measured at one repeated length would miss
+    it. The depth drifts up by (warmup + repeats) * max_rows tokens over a depth's measurement."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -189,6 +195,7 @@ def measure_verify(
                 trim_prompt_cache(cache, rows)
                 if r >= warmup:
                     times[rows - 1].append(time.perf_counter() - t0)
+                mx.eval(forward(model, probe[:1], cache))  # untimed: the next key length
         out.append([statistics.median(t) for t in times])
         del cache
     return out

@@ -48,6 +48,7 @@ def obtain_curves(
         "repeats": repeats,
         "warmup": warmup,
         "verifier": verifier_kind,
+        "verify_lengths": "fresh",  # each timed verify at a new key length (curves.py)
     }
     key = make_key(
         model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings
