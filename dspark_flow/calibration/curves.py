@@ -172,12 +172,14 @@ def measure_verify(
     one the cache is trimmed back and advanced by one untimed token. Backends that cache work
     per shape (MLX's CUDA attention from 4 queries: cuDNN graphs, the composite's matmuls) pay
     that cost in decoding every step, and a curve measured at one repeated length would miss
-    it. The depth drifts up by (warmup + repeats) * max_rows tokens over a depth's measurement."""
+    it. The depth drifts up by (warmup + repeats) * max_rows tokens over a depth's measurement.
+    On the CPU, which caches nothing per shape, the untimed steps are skipped."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     forward = forward or _default_forward
     vocab = vocab or int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32000)
+    fresh_lengths = mx.default_device().type == mx.DeviceType.gpu
     out: list[list[float]] = []
     for i, depth in enumerate(depths):
         cache = make_prompt_cache(model)
@@ -195,7 +197,8 @@ def measure_verify(
                 trim_prompt_cache(cache, rows)
                 if r >= warmup:
                     times[rows - 1].append(time.perf_counter() - t0)
-                mx.eval(forward(model, probe[:1], cache))  # untimed: the next key length
+                if fresh_lengths:  # untimed: the next key length
+                    mx.eval(forward(model, probe[:1], cache))
         out.append([statistics.median(t) for t in times])
         del cache
     return out
