@@ -86,6 +86,7 @@ class Pipeline:
         for strategy in (self.sampler, self.verifier, self.drafter):
             strategy.warm_up(ctx)
         ctx.sampler, ctx.drafter = self.sampler, self.drafter  # type: ignore[assignment]
+        ctx.verifier = self.verifier  # type: ignore[assignment]
         for strategy in (self.cache, self.draft_cap, *self.stops):
             strategy.warm_up(ctx)
         self.components = Components(

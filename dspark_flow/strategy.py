@@ -36,6 +36,7 @@ class BuildContext:
     recipe: Any
     sampler: Sampler | None = None
     drafter: Drafter | None = None
+    verifier: Verifier | None = None  # set (warmed) for the cache, draft cap and stops
 
 
 class Strategy:

@@ -222,6 +222,7 @@ def _kernel() -> Any:
 def _launch(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:
     b, hq, lq, d = q.shape
     threads = _WARPS * 32
+    scale = float(scale)
     if (scale_arr := _scales.get(scale)) is None:
         scale_arr = _scales[scale] = mx.array([scale], dtype=mx.float32)
     return _kernel()(

@@ -45,6 +45,9 @@ def test_tool_defaults_fill_only_slots_the_user_left_out():
     for override in ["verifier.kind=reference", "verifier={kind: reference}"]:
         recipe = loads_recipe("version: 1\n", overrides=[override], defaults=TOOL_DEFAULTS)
         assert recipe.verifier.kind == "reference", override
+    tuned = loads_recipe("version: 1\n", overrides=["verifier.max_rows=8"], defaults=TOOL_DEFAULTS)
+    assert tuned.verifier.kind == "kernels" and tuned.verifier.max_rows == 8
+    assert tuned.verifier.invariant  # an override refines the default section
 
 
 def test_every_problem_reported_at_once_with_positions():

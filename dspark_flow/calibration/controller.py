@@ -14,6 +14,7 @@ speculation off when the gain drops below 1, periodic probes to come back) are b
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -357,14 +358,27 @@ class CurveCap(DraftCap):
                 lengths.update(self._last_k, proposed)
 
 
-def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
-    """The recipe's verifier forward (a kernel verifier costs what it costs), else the plain one."""
-    config = getattr(ctx.recipe, "verifier", None)
-    kind = getattr(config, "kind", "reference")
-    if config is None or kind == "reference":
-        return None, "reference"
-    from dspark_flow import registry
+def verifier_identity(verifier: Any) -> str:
+    """What the curves' key records of the verifier: its kind and settings (a kernel verifier
+    in invariant mode costs what it costs, not what `reference` does)."""
+    config = getattr(verifier, "config", None)
+    if config is None or config.kind == "reference":
+        return "reference"
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True)
 
-    verifier = registry.load_kind("verifier", kind)(config)
-    verifier.warm_up(ctx)
-    return verifier.forward, kind  # type: ignore[attr-defined]
+
+def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
+    """The forward to time and its identity: the pipeline's own (warmed) verifier, else one
+    built from the recipe, else the plain forward."""
+    verifier = ctx.verifier
+    if verifier is None:
+        config = getattr(ctx.recipe, "verifier", None)
+        if config is None or config.kind == "reference":
+            return None, "reference"
+        from dspark_flow import registry
+
+        verifier = registry.load_kind("verifier", config.kind)(config)
+        verifier.warm_up(ctx)
+    if verifier_identity(verifier) == "reference":
+        return None, "reference"
+    return verifier.forward, verifier_identity(verifier)

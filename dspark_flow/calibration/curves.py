@@ -172,8 +172,9 @@ def measure_verify(
     one the cache is trimmed back and advanced by one untimed token. Backends that cache work
     per shape (MLX's CUDA attention from 4 queries: cuDNN graphs, the composite's matmuls) pay
     that cost in decoding every step, and a curve measured at one repeated length would miss
-    it. The depth drifts up by (warmup + repeats) * max_rows tokens over a depth's measurement.
-    On the CPU, which caches nothing per shape, the untimed steps are skipped."""
+    it. The context grows by (warmup + repeats) * max_rows tokens over a depth's measurement,
+    so it starts half that below the depth. On the CPU, which caches nothing per shape, the
+    untimed steps are skipped and each depth is measured at exactly that depth."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -181,10 +182,12 @@ def measure_verify(
     vocab = vocab or int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32000)
     fresh_lengths = mx.default_device().type == mx.DeviceType.gpu
     out: list[list[float]] = []
+    drift = (warmup + repeats) * max_rows if fresh_lengths else 0
     for i, depth in enumerate(depths):
         cache = make_prompt_cache(model)
-        context = filler_tokens(depth, vocab, seed=i)
-        for start in range(0, depth, PREFILL_CHUNK):
+        start_depth = max(1, depth - drift // 2)
+        context = filler_tokens(start_depth, vocab, seed=i)
+        for start in range(0, start_depth, PREFILL_CHUNK):
             forward(model, context[start : start + PREFILL_CHUNK], cache)
             mx.eval([entry.state for entry in cache])
         probe = filler_tokens(max_rows, vocab, seed=100 + i)

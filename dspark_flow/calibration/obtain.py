@@ -37,9 +37,11 @@ def obtain_curves(
     force: bool = False,
     store: CurveStore | None = None,
     forward: Forward | None = None,
-    verifier_kind: str = "reference",
+    verifier_kind: str = "reference",  # `controller.verifier_identity`: kind and settings
 ) -> tuple[Curves, Path, bool]:
     """(curves, cache file, whether they were measured now)."""
+    import mlx.core as mx
+
     store = store or CurveStore()
     block = block or drafter_block(drafter)
     settings = {
@@ -48,7 +50,8 @@ def obtain_curves(
         "repeats": repeats,
         "warmup": warmup,
         "verifier": verifier_kind,
-        "verify_lengths": "fresh",  # each timed verify at a new key length (curves.py)
+        # each timed verify at a new key length on GPUs, one repeated length on the CPU
+        "verify_lengths": "fresh" if mx.default_device().type == mx.DeviceType.gpu else "repeated",
     }
     key = make_key(
         model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings

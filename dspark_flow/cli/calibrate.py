@@ -67,6 +67,7 @@ def format_curves(curves: Any, acceptance: float = 0.6) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_flow.calibration.controller import verifier_identity
     from dspark_flow.calibration.obtain import drafter_block, obtain_curves
     from dspark_flow.calibration.store import CurveStore
     from dspark_flow.pipeline import Pipeline
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         warmup=settings.get("warmup", 2),
         force=args.force,
         store=CurveStore(settings["cache_dir"]) if settings.get("cache_dir") else None,
+        forward=c.verifier.forward,  # the verifier `run` uses, so its curves serve `run`
+        verifier_kind=verifier_identity(c.verifier),
     )
     if args.json:
         from dspark_flow.cli.main import print_json

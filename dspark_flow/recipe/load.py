@@ -91,11 +91,17 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[Loc, str]:
-    """Apply `--set` overrides in place; return which locations they touched."""
+def apply_overrides(
+    data: dict[str, Any], overrides: list[str], filled: frozenset[str] = frozenset()
+) -> dict[Loc, str]:
+    """Apply `--set` overrides in place; return which locations they touched. `filled`: slots
+    the caller filled with its defaults; setting such a slot's kind starts it afresh (the
+    default's other settings may not exist for the kind the user names)."""
     touched: dict[Loc, str] = {}
     for text in overrides:
         path, value = parse_override(text)
+        if len(path) == 2 and path[0] in filled and path[1] == "kind":
+            data[path[0]] = {}
         node: Any = data
         for i, part in enumerate(path[:-1]):
             nxt = path[i + 1]
@@ -205,7 +211,8 @@ def load_recipe(
     defaults: dict[str, Any] | None = None,
 ) -> Recipe:
     """Read, override and validate a recipe file; raise `RecipeError` listing every problem.
-    `defaults`: sections for slots neither the file nor an override sets (e.g. TOOL_DEFAULTS)."""
+    `defaults`: sections for slots the file leaves out (e.g. TOOL_DEFAULTS); `--set` overrides
+    refine them, and one that names the slot's kind replaces the section."""
     return loads_recipe(read_recipe_text(path), str(path), overrides, defaults)
 
 
@@ -239,8 +246,10 @@ def loads_recipe(
     data, root = parse_yaml(text, source)
     if data is None:
         data = {}
-    overridden = apply_overrides(data, overrides or []) if isinstance(data, dict) else {}
-    if isinstance(data, dict):  # after the overrides: a slot the user touched is theirs whole
-        for slot, section in (defaults or {}).items():
-            data.setdefault(slot, copy.deepcopy(section))
+    overridden: dict[Loc, str] = {}
+    if isinstance(data, dict):
+        filled = frozenset(slot for slot in defaults or {} if slot not in data)
+        for slot in filled:
+            data[slot] = copy.deepcopy(defaults[slot])  # type: ignore[index]
+        overridden = apply_overrides(data, overrides or [], filled)
     return validate(data, source=source, root=root, overridden=overridden)

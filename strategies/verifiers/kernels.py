@@ -80,6 +80,7 @@ class _AttentionRoute:
 
     shape: tuple[int, int, int, mx.Dtype]
     rows_masks: dict[int, int] = field(default_factory=dict)
+    open_ended: bool = False  # invariant: contexts past the last bucket take its verdicts too
 
 
 class _Router:
@@ -109,10 +110,14 @@ class _Router:
             return None  # an explicit mask array (padding, windows): stock
         if (q.shape[1], k.shape[1], q.shape[3], q.dtype) != route.shape or q.shape[0] != 1:
             return None
-        from dspark_flow.kernels.probe import key_bucket
+        rows, keys = q.shape[2], k.shape[2]
+        if k.dtype != q.dtype or v.shape != k.shape or v.dtype != q.dtype or keys < rows:
+            return None  # the kernel's contract (a KV cache always meets it)
+        from dspark_flow.kernels.probe import KEY_BUCKETS, key_bucket
 
-        rows = q.shape[2]
-        bucket = key_bucket(k.shape[2])
+        bucket = key_bucket(keys)
+        if bucket is None and route.open_ended:  # the kernel is correct at any length
+            bucket = KEY_BUCKETS[-1]
         if bucket is None or not route.rows_masks.get(bucket, 0) >> rows & 1:
             return None
         self.attention_calls += 1
@@ -218,6 +223,7 @@ class KernelVerifier(Verifier):
         self._router: _Router | None = None
         self._swapped: list[tuple[nn.Module, type]] = []
         self._warmed: int | None = None  # id of the model warmed for (pipelines may share us)
+        self._take_correct = False  # invariant mode in force (see _invariant)
         self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
 
     # -- routing ---------------------------------------------------------------------------
@@ -249,15 +255,42 @@ class KernelVerifier(Verifier):
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self, ctx: BuildContext) -> None:
+
+        if self._warmed == id(ctx.model):
+            return
+        self.restore()
+        self._router, self._warmed, self.verdicts = None, None, []
+        try:
+            self._warm_up(ctx)
+        except BaseException:  # leave nothing half-routed; a later warm_up starts afresh
+            self.restore()
+            self._router = None
+            raise
+        self._warmed = id(ctx.model)
+
+    def _invariant(self, ctx: BuildContext) -> bool:
+        """Invariant mode where it can hold and matters: a backend with the attention kernel
+        (Metal has none: the stock attention would break it anyway) and a drafter to verify."""
+        from dspark_flow.kernels import sdpa_small_q as a
+
+        if not self.config.invariant:
+            return False
+        drafter = getattr(getattr(ctx.recipe, "drafter", None), "kind", None)
+        if drafter == "none":
+            log.info("kernels verifier: no drafter, so invariant mode buys nothing: off")
+            return False
+        if self.config.attention and a.kernel_backend() is None and self._attention_kernel is None:
+            log.info("kernels verifier: no attention kernel on this backend: invariant mode off")
+            return False
+        return True
+
+    def _warm_up(self, ctx: BuildContext) -> None:
         from dspark_flow.kernels import qmm_small_m as q
         from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import VerdictCache, dtype_name, probe_qmm
 
         cfg = self.config
-        if self._warmed == id(ctx.model):
-            return
-        self.restore()
-        self._router, self._warmed, self.verdicts = None, id(ctx.model), []
+        self._take_correct = self._invariant(ctx)
         layers = self._layers(ctx.model) if cfg.matmuls else []
         attention_modules = _attention_modules(ctx.model) if cfg.attention else []
         if not layers and not attention_modules:
@@ -301,8 +334,8 @@ class KernelVerifier(Verifier):
             router.attention = self._probe_attention(next(iter(router.attention_seen)), store)
         if router.attention is None:
             _unwrap_attention(id(self))
-        wrong = [v for v in self.verdicts if not v["correct"]]
-        if cfg.invariant and wrong and q.kernel_backend() is not None:  # (none: nothing to say)
+        wrong = [v for v in self.verdicts if not v["correct"] and v["kernel"] != "coprefill_qmm"]
+        if self._take_correct and wrong:
             log.warning("kernels verifier: not invariant, some shapes keep the stock path",
                         shapes=len(wrong), reason=wrong[0]["reason"])  # fmt: skip
         # Only routed layers keep the routed class; the rest get their own back.
@@ -344,6 +377,7 @@ class KernelVerifier(Verifier):
                            head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
                 if self._take(v):
                     route.rows_masks[bucket] = route.rows_masks.get(bucket, 0) | 1 << rows
+        route.open_ended = self._take_correct
         return route if route.rows_masks else None
 
     def _probe_coprefill(self, router, group, n, k, bits, gs, x_dtype, s_dtype, store) -> None:
@@ -364,7 +398,7 @@ class KernelVerifier(Verifier):
 
     def _take(self, v: Any) -> bool:
         """Whether a probed shape takes the kernel: faster and correct, or (invariant) correct."""
-        return v.enabled or (self.config.invariant and v.correct)
+        return v.enabled or (self._take_correct and v.correct)
 
     def _note(self, kernel: str, v: Any, **shape: Any) -> None:
         self.verdicts.append({"kernel": kernel, **shape, **v.to_json(), "cached": v.cached})
