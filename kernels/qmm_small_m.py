@@ -30,6 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
+
 KERNEL_NAME = "qmm_small_m"
 MAX_ROWS = 16
 BITS = (4, 8)
@@ -39,21 +41,12 @@ _BLOCK = 128  # threads per block / threadgroup: 4 warps (or simdgroups)
 
 KernelFn = Callable[..., "mx.array | None"]
 
-_CUDA_HEADER = r"""
-__device__ __forceinline__ float dsf_to_f(float v) { return v; }
-__device__ __forceinline__ float dsf_to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float dsf_to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename U> __device__ __forceinline__ U dsf_from_f(float v);
-template <> __device__ __forceinline__ float dsf_from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half dsf_from_f<__half>(float v) {
-  return __float2half(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 dsf_from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
+_CUDA_HEADER = (
+    CUDA_FLOAT_CONVERSIONS
+    + r"""
 // V consecutive activations as floats; one or two 16-byte loads when aligned.
 template <typename T, int V>
-__device__ __forceinline__ void dsf_load(const T* p, float* out, bool vec) {
+__device__ __forceinline__ void df_load(const T* p, float* out, bool vec) {
   constexpr int kBytes = int(sizeof(T)) * V;
   if constexpr (kBytes % 16 == 0) {
     if (vec) {
@@ -62,7 +55,7 @@ __device__ __forceinline__ void dsf_load(const T* p, float* out, bool vec) {
       for (int i = 0; i < kBytes / 16; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
       const T* e = reinterpret_cast<const T*>(raw);
 #pragma unroll
-      for (int j = 0; j < V; ++j) out[j] = dsf_to_f(e[j]);
+      for (int j = 0; j < V; ++j) out[j] = df_to_f(e[j]);
       return;
     }
   } else if constexpr (kBytes == 8) {
@@ -70,14 +63,15 @@ __device__ __forceinline__ void dsf_load(const T* p, float* out, bool vec) {
       uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < V; ++j) out[j] = dsf_to_f(e[j]);
+      for (int j = 0; j < V; ++j) out[j] = df_to_f(e[j]);
       return;
     }
   }
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = dsf_to_f(p[j]);
+  for (int j = 0; j < V; ++j) out[j] = df_to_f(p[j]);
 }
 """
+)
 
 # Template constants (set per launch): T activations, U output, BITS, GS, MB (rows bucket, a
 # power of two >= M so acc[] stays in registers), TPC (lanes per output column).
@@ -105,8 +99,8 @@ _CUDA_SOURCE = r"""
   for (int wi = lane; wi < wpr; wi += TPC) {
     const uint32_t packed = __ldg(wrow + wi);
     const int k0 = wi * kVpw;
-    const float s = dsf_to_f(srow[k0 / GS]);
-    const float b = dsf_to_f(brow[k0 / GS]);
+    const float s = df_to_f(srow[k0 / GS]);
+    const float b = df_to_f(brow[k0 / GS]);
     float wv[kVpw];
 #pragma unroll
     for (int j = 0; j < kVpw; ++j) wv[j] = fmaf(float((packed >> (BITS * j)) & kMask), s, b);
@@ -114,7 +108,7 @@ _CUDA_SOURCE = r"""
     for (int m = 0; m < MB; ++m) {
       if (MB == 1 || m < M) {
         float xv[kVpw];
-        dsf_load<T, kVpw>(x + size_t(m) * K + k0, xv, vec);
+        df_load<T, kVpw>(x + size_t(m) * K + k0, xv, vec);
         float a = acc[m];
 #pragma unroll
         for (int j = 0; j < kVpw; ++j) a = fmaf(xv[j], wv[j], a);
@@ -132,7 +126,7 @@ _CUDA_SOURCE = r"""
   if (col < N && lane == 0) {
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
-      if (MB == 1 || m < M) out[size_t(m) * N + col] = dsf_from_f<U>(acc[m]);
+      if (MB == 1 || m < M) out[size_t(m) * N + col] = df_from_f<U>(acc[m]);
     }
   }
 """

@@ -34,6 +34,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
+
 KERNEL_NAME = "sdpa_small_q"
 MAX_QUERIES = 16
 HEAD_DIMS = (64, 96, 128)
@@ -41,19 +43,7 @@ FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _WARPS = 8  # per block: more warps walk the keys in parallel
 _KEYS_PER_STEP = 4  # keys a warp reduces at once
 
-_CUDA_HEADER = r"""
-__device__ __forceinline__ float dsa_to_f(float v) { return v; }
-__device__ __forceinline__ float dsa_to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float dsa_to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename U> __device__ __forceinline__ U dsa_from_f(float v);
-template <> __device__ __forceinline__ float dsa_from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half dsa_from_f<__half>(float v) {
-  return __float2half(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 dsa_from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-"""
+_CUDA_HEADER = CUDA_FLOAT_CONVERSIONS
 
 # Template constants: T (dtype of q, k, v and the output), D (head dim, a multiple of 32),
 # NW (warps per block), KPS (keys per warp step), CAUSAL.
@@ -76,7 +66,7 @@ _CUDA_SOURCE = r"""
   const T* qp = q + b * q_strides[0] + h * q_strides[1] + i * q_strides[2];
   float qv[DPL];
 #pragma unroll
-  for (int e = 0; e < DPL; ++e) qv[e] = dsa_to_f(qp[(lane + 32 * e) * q_strides[3]]) * sc;
+  for (int e = 0; e < DPL; ++e) qv[e] = df_to_f(qp[(lane + 32 * e) * q_strides[3]]) * sc;
   const T* kb = k + b * k_strides[0] + hk * k_strides[1];
   const T* vb = v + b * v_strides[0] + hk * v_strides[1];
 
@@ -92,7 +82,7 @@ _CUDA_SOURCE = r"""
       if (j < n_keys) {
         const T* kp = kb + j * k_strides[2];
 #pragma unroll
-        for (int e = 0; e < DPL; ++e) a = fmaf(qv[e], dsa_to_f(kp[(lane + 32 * e) * k_strides[3]]), a);
+        for (int e = 0; e < DPL; ++e) a = fmaf(qv[e], df_to_f(kp[(lane + 32 * e) * k_strides[3]]), a);
       }
       s[u] = a;
     }
@@ -111,7 +101,7 @@ _CUDA_SOURCE = r"""
         l = l * f + p;
         const T* vp = vb + j * v_strides[2];
 #pragma unroll
-        for (int e = 0; e < DPL; ++e) o[e] = fmaf(p, dsa_to_f(vp[(lane + 32 * e) * v_strides[3]]), o[e] * f);
+        for (int e = 0; e < DPL; ++e) o[e] = fmaf(p, df_to_f(vp[(lane + 32 * e) * v_strides[3]]), o[e] * f);
         m = mn;
       }
     }
@@ -143,7 +133,7 @@ _CUDA_SOURCE = r"""
     }
     T* op = out + size_t(row) * D;
 #pragma unroll
-    for (int e = 0; e < DPL; ++e) op[lane + 32 * e] = dsa_from_f<T>(acc[e] / total);
+    for (int e = 0; e < DPL; ++e) op[lane + 32 * e] = df_from_f<T>(acc[e] / total);
   }
 """
 
