@@ -48,6 +48,9 @@ def test_tool_defaults_fill_only_slots_the_user_left_out():
     tuned = loads_recipe("version: 1\n", overrides=["verifier.max_rows=8"], defaults=TOOL_DEFAULTS)
     assert tuned.verifier.kind == "kernels" and tuned.verifier.max_rows == 8
     assert tuned.verifier.invariant  # an override refines the default section
+    same = ["verifier.max_rows=8", "verifier.kind=kernels"]  # naming the default's own kind
+    same_kind = loads_recipe("version: 1\n", overrides=same, defaults=TOOL_DEFAULTS).verifier
+    assert same_kind.max_rows == 8 and same_kind.invariant
 
 
 def test_every_problem_reported_at_once_with_positions():

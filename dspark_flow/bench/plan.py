@@ -51,11 +51,15 @@ class TargetGroup:
 
 
 def greedy_pipeline(recipe: Recipe, target: tuple[Any, Any]) -> Pipeline:
-    """The recipe's target and prompt settings, plain greedy decoding (the budget is set later)."""
+    """The recipe's target, prompt settings and verifier, plain greedy decoding (the budget is
+    set later). The same verifier, so that the outputs compared are computed the same way (a
+    kernels verifier in invariant mode reproduces only its own greedy output bit for bit);
+    mlx-lm's own greedy is the stock-speed baseline."""
     data = {
         "name": GREEDY,
         "target": recipe.target.model_dump(mode="json"),
         "prompt": recipe.prompt.model_dump(mode="json"),
+        "verifier": recipe.verifier.model_dump(mode="json"),
         "drafter": {"kind": "none"},
         "sampler": {"kind": "greedy"},
         "stop": [{"kind": "eos"}],

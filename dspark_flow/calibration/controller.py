@@ -364,7 +364,8 @@ def verifier_identity(verifier: Any) -> str:
     config = getattr(verifier, "config", None)
     if config is None or config.kind == "reference":
         return "reference"
-    return json.dumps(config.model_dump(mode="json"), sort_keys=True)
+    settings = config.model_dump(mode="json", exclude={"reprobe"})  # re-probing costs nothing
+    return json.dumps(settings, sort_keys=True)
 
 
 def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:

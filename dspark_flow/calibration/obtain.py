@@ -51,7 +51,9 @@ def obtain_curves(
         "warmup": warmup,
         "verifier": verifier_kind,
         # each timed verify at a new key length on GPUs, one repeated length on the CPU
-        "verify_lengths": "fresh" if mx.default_device().type == mx.DeviceType.gpu else "repeated",
+        "verify_lengths": "fresh-centred"
+        if mx.default_device().type == mx.DeviceType.gpu
+        else "repeated",
     }
     key = make_key(
         model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings

@@ -100,8 +100,9 @@ def apply_overrides(
     touched: dict[Loc, str] = {}
     for text in overrides:
         path, value = parse_override(text)
-        if len(path) == 2 and path[0] in filled and path[1] == "kind":
-            data[path[0]] = {}
+        slot = data.get(path[0]) if len(path) == 2 and path[0] in filled else None
+        if isinstance(slot, dict) and path[1] == "kind" and slot.get("kind") != value:
+            data[path[0]] = {}  # another kind than the default's: its settings may not apply
         node: Any = data
         for i, part in enumerate(path[:-1]):
             nxt = path[i + 1]
@@ -248,7 +249,11 @@ def loads_recipe(
         data = {}
     overridden: dict[Loc, str] = {}
     if isinstance(data, dict):
-        filled = frozenset(slot for slot in defaults or {} if slot not in data)
+        filled = frozenset(  # mapping sections only: a list slot (stop) is the user's whole
+            slot
+            for slot, section in (defaults or {}).items()
+            if slot not in data and isinstance(section, dict)
+        )
         for slot in filled:
             data[slot] = copy.deepcopy(defaults[slot])  # type: ignore[index]
         overridden = apply_overrides(data, overrides or [], filled)

@@ -268,16 +268,13 @@ class KernelVerifier(Verifier):
             raise
         self._warmed = id(ctx.model)
 
-    def _invariant(self, ctx: BuildContext) -> bool:
-        """Invariant mode where it can hold and matters: a backend with the attention kernel
-        (Metal has none: the stock attention would break it anyway) and a drafter to verify."""
+    def _invariant(self) -> bool:
+        """Invariant mode where it can hold: a backend with the attention kernel (Metal has none,
+        and its stock attention would break invariance anyway). It stays on without a drafter:
+        plain greedy through this verifier must compute what speculation through it does."""
         from dspark_flow.kernels import sdpa_small_q as a
 
         if not self.config.invariant:
-            return False
-        drafter = getattr(getattr(ctx.recipe, "drafter", None), "kind", None)
-        if drafter == "none":
-            log.info("kernels verifier: no drafter, so invariant mode buys nothing: off")
             return False
         if self.config.attention and a.kernel_backend() is None and self._attention_kernel is None:
             log.info("kernels verifier: no attention kernel on this backend: invariant mode off")
@@ -290,7 +287,7 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels.probe import VerdictCache, dtype_name, probe_qmm
 
         cfg = self.config
-        self._take_correct = self._invariant(ctx)
+        self._take_correct = self._invariant()
         layers = self._layers(ctx.model) if cfg.matmuls else []
         attention_modules = _attention_modules(ctx.model) if cfg.attention else []
         if not layers and not attention_modules:
