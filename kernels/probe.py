@@ -315,8 +315,8 @@ def probe_qmm(
 # -- the sdpa_small_q probe ----------------------------------------------------------------
 
 # Key-length buckets: a verify over T cached keys uses the verdict of the smallest bucket >= T
-# (the probe times the bucket's largest T, the kernel's worst case in it); longer contexts take
-# the stock path.
+# (the probe checks values at the bucket's largest T and times lengths from there down to half
+# of it); longer contexts take the stock path, except in the verifier's invariant mode.
 KEY_BUCKETS = (512, 2048, 8192)
 
 

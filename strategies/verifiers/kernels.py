@@ -255,7 +255,6 @@ class KernelVerifier(Verifier):
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self, ctx: BuildContext) -> None:
-
         if self._warmed == id(ctx.model):
             return
         self.restore()
