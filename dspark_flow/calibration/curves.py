@@ -156,6 +156,14 @@ def _default_forward(model: Any, tokens: list[int], cache: list[Any]) -> Any:
     return model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
 
 
+def verify_at_fresh_lengths() -> bool:
+    """Whether verify costs are timed at fresh key lengths here: on GPUs, whose stock kernels
+    cache work per shape; the CPU caches nothing per shape (see `measure_verify`)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 def measure_verify(
     model: Any,
     depths: Sequence[int],
@@ -180,7 +188,7 @@ def measure_verify(
 
     forward = forward or _default_forward
     vocab = vocab or int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32000)
-    fresh_lengths = mx.default_device().type == mx.DeviceType.gpu
+    fresh_lengths = verify_at_fresh_lengths()
     out: list[list[float]] = []
     drift = (warmup + repeats) * max_rows if fresh_lengths else 0
     for i, depth in enumerate(depths):

@@ -40,8 +40,6 @@ def obtain_curves(
     verifier_kind: str = "reference",  # `controller.verifier_identity`: kind and settings
 ) -> tuple[Curves, Path, bool]:
     """(curves, cache file, whether they were measured now)."""
-    import mlx.core as mx
-
     store = store or CurveStore()
     block = block or drafter_block(drafter)
     settings = {
@@ -50,10 +48,7 @@ def obtain_curves(
         "repeats": repeats,
         "warmup": warmup,
         "verifier": verifier_kind,
-        # each timed verify at a new key length on GPUs, one repeated length on the CPU
-        "verify_lengths": "fresh-centred"
-        if mx.default_device().type == mx.DeviceType.gpu
-        else "repeated",
+        "verify_lengths": "fresh-centred" if curves_mod.verify_at_fresh_lengths() else "repeated",
     }
     key = make_key(
         model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings
