@@ -313,6 +313,13 @@ def test_kernels_verifier_on_a_dense_model_is_the_reference():
 
 # -- attention: sdpa_small_q -----------------------------------------------------------------
 
+
+def _emulated_verifier(**config) -> KernelVerifier:
+    """A kernels verifier whose 'kernels' are the plain-MLX emulations (they run on the CPU)."""
+    return KernelVerifier(KernelsConfig(**config), kernel=q.qmm_small_m_emulated,
+                          attention_kernel=a.sdpa_small_q_emulated)  # fmt: skip
+
+
 # The embedded target's attention: 9 query heads over 3 key/value heads of 64.
 HEADS = (9, 3, 64)
 
@@ -442,9 +449,7 @@ def test_kernels_verifier_routes_attention(monkeypatch, tiny_quantized):
 @cpu_only
 def test_invariant_mode_takes_correct_kernels_even_when_slower(monkeypatch, tiny_quantized):
     monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))  # every kernel is slower
-    verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True),
-                              kernel=q.qmm_small_m_emulated,
-                              attention_kernel=a.sdpa_small_q_emulated)  # fmt: skip
+    verifier = _emulated_verifier(max_rows=4, invariant=True)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
     assert verifier.verdicts and all(v["correct"] and not v["enabled"] for v in verifier.verdicts)
@@ -487,8 +492,7 @@ def test_failed_warm_up_leaves_nothing_routed_and_can_be_retried(monkeypatch, ti
     model, _ = tiny_quantized
     original = llama.scaled_dot_product_attention
     monkeypatch.setattr(probe, "time_pair", _fake_timer(1.0, 2.0))
-    verifier = KernelVerifier(KernelsConfig(max_rows=2), kernel=q.qmm_small_m_emulated,
-                              attention_kernel=a.sdpa_small_q_emulated)  # fmt: skip
+    verifier = _emulated_verifier(max_rows=2)
     ctx = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized)
     from dspark_flow.strategy import BuildContext
 
@@ -515,9 +519,7 @@ def test_invariant_mode_holds_for_plain_greedy_too(monkeypatch, tiny_quantized):
     # Plain greedy through an invariant verifier computes what its speculation computes, so it
     # takes the same (correct, slower) kernels for its one-token forwards.
     monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))  # every kernel is slower
-    verifier = KernelVerifier(KernelsConfig(max_rows=2, invariant=True),
-                              kernel=q.qmm_small_m_emulated,
-                              attention_kernel=a.sdpa_small_q_emulated)  # fmt: skip
+    verifier = _emulated_verifier(max_rows=2, invariant=True)
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized, verifier=verifier)
     greedy.generate([504, 2365, 6354])
     assert verifier.kernel_calls > 0 and verifier.attention_calls > 0
