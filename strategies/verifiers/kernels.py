@@ -197,6 +197,16 @@ def _unwrap_attention(owner: int) -> None:
             del _WRAPPED[name]
 
 
+def _probe_bar(total: int, gpu: bool) -> Any:
+    """A progress bar over the probes: the first warm-up on a GPU measures for a minute or more
+    (cached verdicts make later ones instant). Disabled on a CPU, where every probe declines
+    at once; tqdm hides it where stderr is not a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="probing kernels", unit="shape", leave=False,
+                disable=None if gpu else True)  # fmt: skip
+
+
 def _routed_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
         method = "as_linear" if issubclass(cls, nn.QuantizedEmbedding) else "__call__"
@@ -224,6 +234,7 @@ class KernelVerifier(Verifier):
         self._swapped: list[tuple[nn.Module, type]] = []
         self._warmed: int | None = None  # id of the model warmed for (pipelines may share us)
         self._take_correct = False  # invariant mode in force (see _invariant)
+        self._progress: Any = None  # the probes' progress bar while warming up
         self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
 
     # -- routing ---------------------------------------------------------------------------
@@ -262,6 +273,9 @@ class KernelVerifier(Verifier):
         try:
             self._warm_up(ctx)
         except BaseException:  # leave nothing half-routed; a later warm_up starts afresh
+            if self._progress is not None:
+                self._progress.close()
+                self._progress = None
             self.restore()
             self._router = None
             raise
@@ -312,6 +326,7 @@ class KernelVerifier(Verifier):
                 k = w.shape[1] * 32 // module.bits
                 shape = (w.shape[0], k, module.bits, module.group_size, seen[id(module)], s.dtype)
                 shapes.setdefault(shape, []).append(module)
+        self._progress = _probe_bar(self._probe_count(shapes, router), gpu=self._on_gpu())
         for (n, k, bits, gs, x_dtype, s_dtype), group in shapes.items():
             for rows in range(1, cfg.max_rows + 1):
                 v = probe_qmm(
@@ -328,6 +343,8 @@ class KernelVerifier(Verifier):
                 self._probe_coprefill(router, group, n, k, bits, gs, x_dtype, s_dtype, store)
         if len(router.attention_seen) == 1:  # one attention shape: every layer alike
             router.attention = self._probe_attention(next(iter(router.attention_seen)), store)
+        self._progress.close()
+        self._progress = None
         if router.attention is None:
             _unwrap_attention(id(self))
         wrong = [v for v in self.verdicts if not v["correct"] and v["kernel"] != "coprefill_qmm"]
@@ -392,12 +409,30 @@ class KernelVerifier(Verifier):
                     route = router.routes.setdefault(id(m), _Route(x_dtype))
                     route.shares[rows] = float(v.extra["share"])
 
+    def _on_gpu(self) -> bool:
+        from dspark_flow.kernels import qmm_small_m as q
+        from dspark_flow.kernels import sdpa_small_q as a
+
+        return q.kernel_backend() is not None or a.kernel_backend() is not None
+
+    def _probe_count(self, shapes: dict[Any, Any], router: _Router) -> int:
+        from dspark_flow.kernels.coprefill import ROW_BUCKETS
+        from dspark_flow.kernels.probe import KEY_BUCKETS
+
+        per_shape = self.config.max_rows + (len(ROW_BUCKETS) if self.config.coprefill else 0)
+        attention = (
+            len(KEY_BUCKETS) * self.config.max_rows if len(router.attention_seen) == 1 else 0
+        )
+        return len(shapes) * per_shape + attention
+
     def _take(self, v: Any) -> bool:
         """Whether a probed shape takes the kernel: faster and correct, or (invariant) correct."""
         return v.enabled or (self._take_correct and v.correct)
 
     def _note(self, kernel: str, v: Any, **shape: Any) -> None:
         self.verdicts.append({"kernel": kernel, **shape, **v.to_json(), "cached": v.cached})
+        if self._progress is not None:
+            self._progress.update(1)
 
     @property
     def kernel_calls(self) -> int:
