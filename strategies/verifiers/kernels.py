@@ -326,7 +326,9 @@ class KernelVerifier(Verifier):
                 k = w.shape[1] * 32 // module.bits
                 shape = (w.shape[0], k, module.bits, module.group_size, seen[id(module)], s.dtype)
                 shapes.setdefault(shape, []).append(module)
-        self._progress = _probe_bar(self._probe_count(shapes, router), gpu=self._on_gpu())
+        # Every kernel needs a GPU backend qmm_small_m knows (sdpa_small_q: CUDA, a subset).
+        gpu = q.kernel_backend() is not None
+        self._progress = _probe_bar(self._probe_count(shapes, router), gpu=gpu)
         for (n, k, bits, gs, x_dtype, s_dtype), group in shapes.items():
             for rows in range(1, cfg.max_rows + 1):
                 v = probe_qmm(
@@ -408,12 +410,6 @@ class KernelVerifier(Verifier):
                 for m in group:
                     route = router.routes.setdefault(id(m), _Route(x_dtype))
                     route.shares[rows] = float(v.extra["share"])
-
-    def _on_gpu(self) -> bool:
-        from dspark_flow.kernels import qmm_small_m as q
-        from dspark_flow.kernels import sdpa_small_q as a
-
-        return q.kernel_backend() is not None or a.kernel_backend() is not None
 
     def _probe_count(self, shapes: dict[Any, Any], router: _Router) -> int:
         from dspark_flow.kernels.coprefill import ROW_BUCKETS
