@@ -30,9 +30,9 @@ left() { local n=$((CALL_S - ($(date +%s) - START))); echo $((n > 1 ? n : 1)); }
 dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
 
-data() {  # the shared training data on GPU 0 (resumable; the DFlash side waits for it)
+data() {  # data [GPU]: the shared training data, on GPU 0 by default (resumable; the DFlash side waits for it)
   [ -e /tmp/data.done ] && return 0
-  CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
+  CUDA_VISIBLE_DEVICES=${1:-0} timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
     "$R-dspark.yaml" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
     | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch /tmp/data.done
   tail -2 $O/data.log
@@ -125,7 +125,7 @@ case "${1:-}" in
       grep -E "^\| \*\*all" $O/bench-caps-$w.md
     done
     ;;
-  kernels|kernels2)  # issue 9 on GPU 0 (verify kernels), issue 6 on GPU 1 (draft caps, 256 tokens)
+  kernels|kernels2)  # issue 9 on GPU 0 (verify kernels); GPU 1: token counts (issue 5), then draft caps (issue 6, 256 tokens)
     # Two calls back to back: the verdicts and MLX's compiled kernels stay on the warm machine,
     # so the second call spends its time on more prompts instead of probing and compiling.
     export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache
@@ -140,10 +140,10 @@ case "${1:-}" in
         cp /tmp/$tag/$f $O/$tag-$f 2>/dev/null; done
       grep -E "\(d\) .*tok/s" $O/$tag.log | tail -15
     ) &
-    if [ "$tag" = kernels ]; then
-      sweep dspark 2 $(($(left) - 20)) --ks 1-7 --prompts /tmp/heldout.jsonl --per-category 4 --max-tokens 256 &
+    if [ "$tag" = kernels ]; then  # the target's own outputs on the training prompts, counted (draft vocabulary)
+      ( data 1 && python3 -P benchmarks/token_counts.py "$R-dspark.yaml" $O/token_counts.npy | tee -a $O/data.log ) &
     else
-      sweep lookup 2 $(($(left) - 20)) --ks 1-10 --per-category 3 --max-tokens 256 &
+      sweep dspark 2 $(($(left) - 20)) --ks 1-7 --prompts /tmp/heldout.jsonl --per-category 4 --max-tokens 256 &
     fi
     wait
     ;;
