@@ -164,6 +164,13 @@ def test_probe_cache_is_keyed_and_invalidated(monkeypatch, kernel_cache):
     assert run()[1]  # a corrupt file too, and it is rewritten whole
     assert json.loads(path.read_text())["version"] == probe.CACHE_VERSION
     assert not run()[1]
+    # The speedup demanded is the caller's, not part of the key: a cached 2x verdict is
+    # re-judged without measuring again.
+    v, measured = run(min_gain=1.5)
+    assert not measured and v.cached and v.correct and not v.enabled
+    assert v.reason.startswith("not faster by 150%")
+    v, measured = run(min_gain=0.5)
+    assert not measured and v.enabled
 
 
 @cpu_only
