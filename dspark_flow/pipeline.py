@@ -82,10 +82,12 @@ class Pipeline:
             )
         model, tokenizer = self._target
         ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=self.recipe)
-        # Order matters: the drafter may need the sampler, the cache checks the drafter.
-        for strategy in (self.sampler, self.verifier, self.drafter):
+        # Order matters: the verifier probes only the verify shapes the drafter can ask for,
+        # and the cache, draft cap and stops look at all three.
+        for strategy in (self.sampler, self.drafter):
             strategy.warm_up(ctx)
         ctx.sampler, ctx.drafter = self.sampler, self.drafter  # type: ignore[assignment]
+        self.verifier.warm_up(ctx)
         ctx.verifier = self.verifier  # type: ignore[assignment]
         for strategy in (self.cache, self.draft_cap, *self.stops):
             strategy.warm_up(ctx)

@@ -34,8 +34,8 @@ class BuildContext:
     model: nn.Module
     tokenizer: Any
     recipe: Any
-    sampler: Sampler | None = None
-    drafter: Drafter | None = None
+    sampler: Sampler | None = None  # set (warmed) for the verifier and later slots
+    drafter: Drafter | None = None  # likewise
     verifier: Verifier | None = None  # set (warmed) for the cache, draft cap and stops
 
 

@@ -531,3 +531,32 @@ def test_invariant_mode_holds_for_plain_greedy_too(monkeypatch, tiny_quantized):
     greedy.generate([504, 2365, 6354])
     assert verifier.kernel_calls > 0 and verifier.attention_calls > 0
     verifier.restore()
+
+
+def test_verifier_probes_only_the_rows_its_drafter_can_ask_for(monkeypatch, tiny_quantized):
+    # A first GPU warm-up pays for every probed shape: by default the verifier probes the verify
+    # forwards the pipeline's drafter can make (largest draft + 1 rows), and a pipeline with a
+    # longer drafter sharing it probes the rest.
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(1.0, 2.0))
+    verifier = _emulated_verifier()
+
+    def probed_rows() -> set[int]:
+        return {v["rows"] for v in verifier.verdicts if v["kernel"] == "qmm_small_m"}
+
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized, verifier=verifier)
+    greedy.warm_up()
+    assert probed_rows() == {1}
+    short = _recipe({"kind": "lookup", "max_draft": 3})
+    spec = Pipeline.from_dict(short, target=tiny_quantized, verifier=verifier).warm_up()
+    assert probed_rows() == {1, 2, 3, 4}
+    prompt = [504, 2365, 6354, 504, 2365, 6354, 504, 2365]
+    assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
+    Pipeline.from_dict(
+        _recipe({"kind": "none"}), target=tiny_quantized, verifier=verifier
+    ).warm_up()
+    assert probed_rows() == {1, 2, 3, 4}  # fewer rows wanted: the warm state stands
+    verifier.restore()
+    pinned = _emulated_verifier(max_rows=2)
+    Pipeline.from_dict(short, target=tiny_quantized, verifier=pinned).warm_up()
+    assert {v["rows"] for v in pinned.verdicts if v["kernel"] == "qmm_small_m"} == {1, 2}
+    pinned.restore()

@@ -4,7 +4,8 @@ the kernel is correct and faster (see docs/kernels.md).
 
 warm_up finds the target's quantized layers (QuantizedLinear, and a QuantizedEmbedding used as
 the tied output head), runs one recording forward to learn each layer's activation dtype and the
-attention's heads and dtype, then probes every verify shape (rows 1..max_rows) of every distinct
+attention's heads and dtype, then probes every verify shape (rows 1..max_rows: by default the
+most the pipeline's drafter can ask, its largest draft + 1) of every distinct
 layer shape and every query count of the attention (per key-length bucket); verdicts are cached
 per machine. Layers are rerouted by swapping their class to a subclass whose matmul asks the
 router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
@@ -27,6 +28,7 @@ import mlx.nn as nn
 from pydantic import Field
 
 from dspark_flow.kernels.coprefill import coprefill_qmm, row_bucket
+from dspark_flow.kernels.qmm_small_m import MAX_ROWS
 from dspark_flow.log import get_logger
 from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
 
@@ -44,7 +46,14 @@ _ATTENTION_FN = "scaled_dot_product_attention"
 
 class KernelsConfig(StrategyConfig):
     kind: Literal["kernels"] = "kernels"
-    max_rows: int = Field(16, ge=1, le=16, description="largest verify forward routed (rows)")
+    max_rows: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ROWS,
+        description="largest verify forward routed (rows); default: the drafter's largest draft "
+        "+ 1 (1 without a drafter, 16 for an unbounded one), so a first warm-up probes only "
+        "the shapes decoding can use",
+    )
     min_gain: float = Field(0.05, ge=0.0, description="speedup over the twin a kernel needs")
     head: bool = Field(True, description="route the tied output head (QuantizedEmbedding) too")
     matmuls: bool = Field(True, description="route the quantized matmuls (qmm_small_m)")
@@ -232,7 +241,10 @@ class KernelVerifier(Verifier):
         self._attention_kernel = attention_kernel
         self._router: _Router | None = None
         self._swapped: list[tuple[nn.Module, type]] = []
-        self._warmed: int | None = None  # id of the model warmed for (pipelines may share us)
+        # (id of the model, rows probed) warmed for: pipelines may share us, and one with a
+        # longer drafter needs more rows probed
+        self._warmed: tuple[int, int] | None = None
+        self._max_rows = MAX_ROWS
         self._take_correct = False  # invariant mode in force (see _invariant)
         self._progress: Any = None  # the probes' progress bar while warming up
         self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
@@ -266,10 +278,16 @@ class KernelVerifier(Verifier):
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self, ctx: BuildContext) -> None:
-        if self._warmed == id(ctx.model):
+        rows = self._rows_wanted(ctx)
+        if (
+            self._warmed is not None
+            and self._warmed[0] == id(ctx.model)
+            and self._warmed[1] >= rows
+        ):
             return
         self.restore()
         self._router, self._warmed, self.verdicts = None, None, []
+        self._max_rows = rows
         try:
             self._warm_up(ctx)
         except BaseException:  # leave nothing half-routed; a later warm_up starts afresh
@@ -279,7 +297,16 @@ class KernelVerifier(Verifier):
             self.restore()
             self._router = None
             raise
-        self._warmed = id(ctx.model)
+        self._warmed = (id(ctx.model), rows)
+
+    def _rows_wanted(self, ctx: BuildContext) -> int:
+        """The largest verify forward to probe and route: the recipe's `max_rows`, else what
+        the pipeline's drafter can ask for (probing 16 rows for a block-7 drafter doubles a
+        first GPU warm-up for shapes decoding never runs)."""
+        if self.config.max_rows is not None:
+            return self.config.max_rows
+        longest = ctx.drafter.max_draft if ctx.drafter is not None else None
+        return MAX_ROWS if longest is None else max(1, min(MAX_ROWS, longest + 1))
 
     def _invariant(self) -> bool:
         """Invariant mode where it can hold: a backend with the attention kernel (Metal has none,
@@ -306,7 +333,7 @@ class KernelVerifier(Verifier):
         if not layers and not attention_modules:
             log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
-        router = _Router(self._kernel or q.qmm_small_m_trusted, cfg.max_rows)
+        router = _Router(self._kernel or q.qmm_small_m_trusted, self._max_rows)
         router.attention_kernel = self._attention_kernel or a.sdpa_small_q_trusted
         self._swap(layers)
         for name in attention_modules:
@@ -330,7 +357,7 @@ class KernelVerifier(Verifier):
         gpu = q.kernel_backend() is not None
         self._progress = _probe_bar(self._probe_count(shapes, router), gpu=gpu)
         for (n, k, bits, gs, x_dtype, s_dtype), group in shapes.items():
-            for rows in range(1, cfg.max_rows + 1):
+            for rows in range(1, self._max_rows + 1):
                 v = probe_qmm(
                     rows, n, k, bits, gs, x_dtype, s_dtype, self._kernel, cfg.min_gain, store,
                     cfg.reprobe,
@@ -383,7 +410,7 @@ class KernelVerifier(Verifier):
         hq, hkv, d, dtype = shape
         route = _AttentionRoute(shape)
         for bucket in KEY_BUCKETS:
-            for rows in range(1, self.config.max_rows + 1):
+            for rows in range(1, self._max_rows + 1):
                 v = probe_sdpa(
                     rows, bucket, hq, hkv, d, dtype, self._attention_kernel, self.config.min_gain,
                     store, self.config.reprobe,
@@ -415,10 +442,8 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels.coprefill import ROW_BUCKETS
         from dspark_flow.kernels.probe import KEY_BUCKETS
 
-        per_shape = self.config.max_rows + (len(ROW_BUCKETS) if self.config.coprefill else 0)
-        attention = (
-            len(KEY_BUCKETS) * self.config.max_rows if len(router.attention_seen) == 1 else 0
-        )
+        per_shape = self._max_rows + (len(ROW_BUCKETS) if self.config.coprefill else 0)
+        attention = len(KEY_BUCKETS) * self._max_rows if len(router.attention_seen) == 1 else 0
         return len(shapes) * per_shape + attention
 
     def _take(self, v: Any) -> bool:
