@@ -557,6 +557,179 @@ def test_wrong_kind_for_the_layout_names_the_right_one(tmp_path, tiny4):
         api.load_drafter(str(tmp_path / "plain"), tiny4, kind="dspark")
 
 
+# -- the draft vocabulary (draft_vocab: N) -------------------------------------------------------
+
+
+def _vocab_file(path: Path, ids: list[int]) -> None:
+    """draft_vocab.npy listing `ids` (as if the training data had held those tokens)."""
+    from dspark_flow.models.draft_vocab import VOCAB_FILE
+
+    np.save(path / VOCAB_FILE, np.array(ids, np.int32))
+
+
+def _head_cases() -> dict[str, tuple[nn.Module, object]]:
+    """Output heads of each supported type, with the callable the full logits come from."""
+    mx.random.seed(3)
+    linear = nn.Linear(64, VOCAB, bias=True)
+    emb = nn.Embedding(VOCAB, 64)
+    cases: dict[str, tuple[nn.Module, object]] = {
+        "linear": (linear, linear),
+        "embedding": (emb, emb.as_linear),
+    }
+    for bits, group in ((4, 32), (8, 64)):
+        qlin = nn.QuantizedLinear.from_linear(linear, group_size=group, bits=bits)
+        qemb = nn.QuantizedEmbedding.from_embedding(emb, group_size=group, bits=bits)
+        cases[f"q{bits}-linear"] = (qlin, qlin)
+        cases[f"q{bits}-embedding"] = (qemb, qemb.as_linear)
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_head_cases()))
+def test_subset_head_is_the_full_head_at_the_subset(case):
+    """The restricted head (rows gathered once, quantized rows kept quantized) against the full
+    head's logits taken at the subset: the kernel-vs-reference check of the draft vocabulary."""
+    from dspark_flow.models.draft_vocab import SubsetHead
+
+    head, full = _head_cases()[case]
+    ids = mx.array(np.random.default_rng(0).permutation(VOCAB)[:4096].astype(np.int32))
+    sub = SubsetHead(head, ids)
+    assert isinstance(sub.weight, mx.array) and sub.weight.shape[0] == 4096
+    assert (sub.weight.dtype == mx.uint32) == case.startswith("q")  # still packed
+    x = mx.random.normal((7, 64))
+    want, got = np.array(full(x))[:, np.array(ids)], np.array(sub(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_subset_head_refuses_other_heads():
+    from dspark_flow.models.draft_vocab import SubsetHead
+
+    with pytest.raises(ConfigError, match="cannot restrict an output head of type Conv1d"):
+        SubsetHead(nn.Conv1d(4, 4, 1), mx.array([0, 1]))
+
+
+@pytest.mark.parametrize("name", ["dspark-markov-conf", "dspark-rnn", "dflash", "dflash2"])
+def test_restricted_scores_are_the_full_scores_at_the_subset(tmp_path, tiny4, name):
+    """With a subset that holds the full drafter's picks (and its selector candidates), the
+    restricted drafter walks the same path and each slot's scores are the full ones at the ids."""
+    kind, path, options = make_checkpoint(tmp_path, name)
+    full = api.load_drafter(str(path), tiny4, quantize=None, dtype="float32", **options)
+    draft = _propose_once(full, tiny4, PROMPTS[0], 321)
+    trace = list(full.trace)
+    keep = set(draft.tokens)
+    if name == "dflash2":
+        keep |= {int(t) for cands, _ in trace for t in np.array(cands)}
+    ids = sorted(keep) + np.random.default_rng(1).choice(VOCAB, 300, replace=False).tolist()
+    ids = list(dict.fromkeys(ids))  # distinct, in order
+    _vocab_file(path, ids)
+    small = api.load_drafter(
+        str(path), tiny4, quantize=None, dtype="float32", draft_vocab=len(ids), **options
+    )
+    got = _propose_once(small, tiny4, PROMPTS[0], 321)
+    assert got.tokens == draft.tokens
+    sel = np.array(ids)
+    for a, b in zip(trace, small.trace, strict=True):
+        if name == "dflash2":  # (candidate ids, scores): same candidates, same scores
+            order_a, order_b = np.argsort(np.array(a[0])), np.argsort(np.array(b[0]))
+            assert (np.array(a[0])[order_a] == np.array(b[0])[order_b]).all()
+            np.testing.assert_allclose(
+                np.array(a[1])[order_a], np.array(b[1])[order_b], rtol=1e-5, atol=1e-5
+            )
+            continue
+        row_a, row_b = (a[0], b[0]) if kind == "dspark" else (a, b)
+        np.testing.assert_allclose(np.array(row_b), np.array(row_a)[sel], rtol=1e-5, atol=1e-5)
+        if kind == "dspark" and a[1] is not None:  # the confidence head reads the same prev
+            np.testing.assert_allclose(float(b[1].item()), float(a[1].item()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dspark-markov-conf", "dflash", "dflash2"])
+def test_restricted_drafter_is_lossless(tmp_path, tiny4, tok, greedy_refs, name):
+    _, path, options = make_checkpoint(tmp_path, name)
+    # A subset that misses most of what the target says: drafts get rejected, output unchanged.
+    listed = sorted({t for ref in greedy_refs for t in ref})[::2]
+    _vocab_file(path, listed)
+    drafter = api.load_drafter(str(path), tiny4, draft_vocab=64, **options)
+    # The listed ids, then (the file holds fewer than 64) the ids it does not list, in order.
+    unlisted = [i for i in range(VOCAB) if i not in set(listed)]
+    assert drafter.token_ids(mx.arange(64)).tolist() == (listed + unlisted)[:64]
+    for prompt, ref in zip(PROMPTS, greedy_refs, strict=True):
+        res = api.speculative_generate(
+            tiny4, tok, drafter, prompt, max_new_tokens=24, max_draft_tokens=None, chat=False
+        )
+        assert res.token_ids == ref
+
+
+@pytest.mark.parametrize("name", ["dspark-markov-conf", "dflash", "dflash2"])
+def test_restricted_sampled_drafts_carry_the_distribution_they_came_from(tmp_path, tiny4, name):
+    _, path, _ = make_checkpoint(tmp_path, name)  # (no confidence threshold: k drafts)
+    ids = np.random.default_rng(2).choice(VOCAB, 40, replace=False).tolist()
+    _vocab_file(path, ids)
+    drafter = api.load_drafter(str(path), tiny4, draft_vocab=40)
+    sampler = SpeculativeSampler(SampleConfig(temperature=1.5, seed=3))
+    sampler.begin()
+    for anchor in (321, 77, 9000):
+        draft = _propose_once(drafter, tiny4, PROMPTS[0], anchor, sampler=sampler, k=4)
+        assert draft.probs is not None and draft.probs.shape == (len(draft.tokens), VOCAB)
+        q = np.array(draft.probs)
+        np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+        outside = np.setdiff1d(np.arange(VOCAB), ids)
+        assert (q[:, outside] == 0).all()  # q is zero outside the subset...
+        assert all(t in ids and q[i, t] > 0 for i, t in enumerate(draft.tokens))  # ...drawn from q
+    # The first draft token, drawn again and again in the same context, follows q's first row.
+    from tests.test_sampling_exact import ALPHA, fit_ok
+
+    counts = np.zeros(VOCAB, np.int64)
+    for seed in range(300):
+        sampler = SpeculativeSampler(SampleConfig(temperature=1.5, seed=seed))
+        sampler.begin()
+        counts[_propose_once(drafter, tiny4, PROMPTS[0], 9000, sampler=sampler, k=1).tokens[0]] += 1
+    assert fit_ok(counts[ids], q_first(drafter, tiny4)[ids]) > ALPHA
+
+
+def q_first(drafter, target) -> np.ndarray:
+    sampler = SpeculativeSampler(SampleConfig(temperature=1.5, seed=0))
+    sampler.begin()
+    return np.array(_propose_once(drafter, target, PROMPTS[0], 9000, sampler=sampler, k=1).probs[0])
+
+
+BAD_VOCAB = {
+    "larger-than-vocab": (VOCAB + 1, None, f"larger than the vocabulary ({VOCAB} tokens)"),
+    "no-file": (64, "none", "draft_vocab.npy (token ids by frequency"),
+    "repeated-ids": (8, "repeated", "token ids are not distinct"),
+    "out-of-range": (8, "range", f"token ids must lie in [0, {VOCAB})"),
+    "not-ids": (8, "float", "expected a 1-D array of token ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VOCAB))
+def test_bad_draft_vocab_fails_in_one_line(tmp_path, tiny4, case):
+    n, file, words = BAD_VOCAB[case]
+    _, path, _ = make_checkpoint(tmp_path, "dspark")
+    contents = {"repeated": [5, 6, 5, 7, 8, 9, 10, 11], "float": [1.0, 2.0]}
+    contents["range"] = [1, 2, 3, 4, 5, 6, 7, VOCAB]
+    if file in contents:
+        np.save(path / "draft_vocab.npy", np.array(contents[file]))
+    with pytest.raises(ConfigError) as info:
+        api.load_drafter(str(path), tiny4, draft_vocab=n)
+    msg = str(info.value)
+    assert words in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "lots", "true"])
+def test_draft_vocab_in_a_recipe(value):
+    from dspark_flow.errors import RecipeError
+    from dspark_flow.recipe.load import loads_recipe
+
+    ok = loads_recipe("drafter: {kind: dspark, draft_vocab: 8192}\n", "r.yaml")
+    assert ok.drafter.draft_vocab == 8192
+    assert loads_recipe("drafter: {kind: dflash, draft_vocab: off}\n").drafter.draft_vocab is None
+    assert loads_recipe("drafter: {kind: dspark}\n").drafter.draft_vocab is None
+    with pytest.raises(RecipeError) as info:
+        loads_recipe(f"drafter: {{kind: dspark, draft_vocab: {value}}}\n", "r.yaml")
+    (problem,) = info.value.problems  # one line, with its position
+    assert problem.startswith("r.yaml:1:") and "drafter.draft_vocab" in problem, problem
+
+
 # -- the drafter table and the API ---------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ with the exact distribution, enumerated from the target. ALPHA is the false-alar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
@@ -19,7 +20,7 @@ from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftM
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler, processed_probs
 from dspark_flow.strategy import Draft, Drafter, StrategyConfig
 from tests.test_sampling_exact import ALPHA, fit_ok
-from tests.tiny import tiny_model
+from tests.tiny import VOCAB, tiny_model
 
 PROMPT = [1, 504, 2031, 77, 9000]
 TOP_K = 3
@@ -76,15 +77,43 @@ def target_and_exact(embedded):
     return (target, embedded[1]), exact_three(target)
 
 
-@pytest.mark.parametrize("which", ["least_likely", "draft_model"])
-def test_three_token_distribution_is_exact(target_and_exact, which):
-    (target, tok), exact = target_and_exact
+def restricted_dspark(directory: Path, target, exact) -> Drafter:
+    """A random-weight DSpark drafter (Markov and confidence heads) for the tiny target whose
+    draft vocabulary holds some of the target's likely tokens and misses others: its q is zero
+    on tokens the target may say, and its drafts are drawn within the subset. (Few of its drafts
+    are accepted, so this end-to-end check is weak against a q that is slightly off; the drafter
+    tests check q itself: tests/test_drafters.py, draft vocabulary.)"""
+    from dspark_flow.api import load_drafter
+    from dspark_flow.models.draft_vocab import VOCAB_FILE
+    from tests import drafter_helpers as h
+
+    cfg = h.deepspec_config(32, VOCAB, 1, [-1, 0], markov_rank=8, confidence=True)
+    h.write_checkpoint(directory, cfg, h.random_tensors(cfg, seed=4))
+    likely = sorted({t for outcome in exact for t in outcome[1:]})  # what drafts can match
+    ids = [t for i, t in enumerate(likely) if i % 4]  # misses a quarter of them
+    rest = np.setdiff1d(np.arange(VOCAB), ids)
+    np.save(directory / VOCAB_FILE, np.concatenate([ids, rest]).astype(np.int32))
+    return load_drafter(str(directory), target, draft_vocab=len(ids))
+
+
+@pytest.fixture(scope="module")
+def flat_target_and_exact(embedded):
+    """A target whose top-3 tokens all carry real mass (the default one says 9000 at p 0.9996)."""
+    target = tiny_model(seed=0, scale=1.0)
+    return (target, embedded[1]), exact_three(target)
+
+
+@pytest.mark.parametrize("which", ["least_likely", "draft_model", "dspark_draft_vocab"])
+def test_three_token_distribution_is_exact(request, which, tmp_path):
+    fixture = "flat_target_and_exact" if which == "dspark_draft_vocab" else "target_and_exact"
+    (target, tok), exact = request.getfixturevalue(fixture)
+    cap = {"kind": "fixed", "k": 2}
     if which == "least_likely":
         drafter: Drafter = LeastLikelyDrafter(target)
-        cap = {"kind": "fixed", "k": 2}
-    else:
+    elif which == "draft_model":
         drafter = DraftModelDrafter(DraftModelConfig(model="<tiny>"), model=tiny_model(seed=5))
-        cap = {"kind": "fixed", "k": 2}
+    else:
+        drafter = restricted_dspark(tmp_path / "dspark", target, exact)
     recipe = {
         "drafter": {"kind": "none"},
         "draft_cap": cap,
@@ -95,13 +124,16 @@ def test_three_token_distribution_is_exact(target_and_exact, which):
     outcomes = sorted(exact)
     index = {o: i for i, o in enumerate(outcomes)}
     counts = np.zeros(len(outcomes), np.int64)
-    drafted = 0
+    drafted = accepted = 0
     for seed in range(N):
         sampler = {"kind": "sample", "temperature": 1.0, "top_k": TOP_K, "seed": seed}
         res = pipe.generate(PROMPT, sampler=sampler)
         counts[index[tuple(res.token_ids)]] += 1
         drafted += res.num_rounds
+        accepted += sum(n - 1 for n in res.accept_lengths)
     assert drafted > 0
+    if which == "dspark_draft_vocab":  # some drafts from the subset were accepted
+        assert accepted > 0
     probs = np.array([exact[o] for o in outcomes])
     assert abs(probs.sum() - 1) < 1e-4
     assert fit_ok(counts, probs / probs.sum()) > ALPHA

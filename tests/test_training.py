@@ -196,6 +196,8 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         assert first["train"]["seconds"] < second["train"]["seconds"]
         assert second["train"]["seconds"] <= first["train"]["seconds"] + this_call + 0.1
         assert second["data"] == first["data"]  # the call that made the data keeps its record
+        assert (tmp_path / "drafter" / "draft_vocab.npy").is_file()  # export counts the tokens
+        assert second["vocab"]["answer_tokens"] == second["data"]["answer_tokens"]
         card = tmp_path / "drafter" / "train_summary.json"
         assert json.loads(card.read_text())["train"]["calls"] == 2
         # Starting over (--fresh) and pausing again: the new run's record forgets the old
@@ -329,6 +331,81 @@ def test_shipped_drafters_load_fit_the_size_limit_and_stay_lossless(embedded, ki
         )
         assert got.token_ids == want
         assert got.mean_accept_len > 1.0  # the trained drafter does get tokens accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_shipped_drafters_with_a_draft_vocabulary_stay_lossless(embedded, kind):
+    """`draft_vocab: 8192` on the shipped drafters and the real target: T = 0 output is plain
+    greedy output, drafts still get accepted, and a seeded sampled run repeats."""
+    from dspark_flow.api import greedy_generate, load_drafter, speculative_generate
+    from dspark_flow.models.draft_vocab import VOCAB_FILE
+    from dspark_flow.models.loading import resolve_model_path
+
+    model, tok = embedded
+    ref = f"builtin:smollm2-135m-{kind}"
+    assert (resolve_model_path(ref) / VOCAB_FILE).is_file()
+    drafter = load_drafter(ref, model, draft_vocab=8192)
+    assert drafter.token_ids(mx.arange(8192)).shape == (8192,)
+    for prompt in (
+        "Natalia sold 48 clips in April and half as many in May. How many in all?",
+        PROMPTS[1],
+    ):
+        want = greedy_generate(model, tok, prompt, max_new_tokens=48).token_ids
+        got = speculative_generate(
+            model, tok, drafter, prompt, max_new_tokens=48, max_draft_tokens=None
+        )
+        assert got.token_ids == want
+        assert got.mean_accept_len > 1.0
+    runs = [
+        speculative_generate(
+            model, tok, drafter, PROMPTS[0], max_new_tokens=24, temperature=0.7, seed=3
+        ).token_ids
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and 0 < len(runs[0]) <= 24  # (a sampled answer may end early)
+
+
+@pytest.mark.slow
+def test_the_vocab_stage_counts_the_answer_tokens(embedded, tmp_path):
+    """`--stage vocab` writes draft_vocab.npy (all ids, most frequent answer token first) into
+    the output directory from the cached data; without data it fails in one line."""
+    from dspark_flow.models.draft_vocab import VOCAB_FILE
+    from dspark_flow.training.data import data_cache_dir, load_samples
+    from dspark_flow.training.run import run_training
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name three colours."]}\n')
+    recipe = TrainRecipe.model_validate(
+        {
+            "name": "test-vocab",
+            "drafter": small_recipe("dspark").drafter.model_dump(),
+            "data": {
+                "prompts": [{"path": str(prompts)}],
+                "max_new_tokens": 24,
+                "max_prompt_tokens": 64,
+                "cache_dir": str(tmp_path / "data"),
+            },
+            "train": {"seq_len": 96},
+            "output": str(tmp_path / "drafter"),
+        }
+    )
+    with pytest.raises(DsparkFlowError, match="no training data") as info:
+        run_training(recipe, stages=("vocab",), progress=False)
+    assert "\n" not in str(info.value)
+    run_training(recipe, stages=("data",), progress=False)
+    summary = run_training(recipe, stages=("vocab",), progress=False)
+    ids = np.load(tmp_path / "drafter" / VOCAB_FILE)
+    answers = np.concatenate(
+        [s.tokens[s.prompt_len :] for s in load_samples(data_cache_dir(recipe))]
+    )
+    counts = np.bincount(answers, minlength=49152)
+    assert ids.dtype == np.int32 and sorted(ids.tolist()) == np.flatnonzero(counts).tolist()
+    assert (np.diff(counts[ids]) <= 0).all()  # the tokens seen, most frequent first...
+    tied = counts[ids][:-1] == counts[ids][1:]
+    assert (ids[:-1][tied] < ids[1:][tied]).all()  # ...ties by id
+    assert summary["vocab"]["answer_tokens"] == len(answers)
+    assert summary["vocab"]["distinct"] == len(ids)
 
 
 def test_the_embedded_target_resolves_to_its_shipped_drafter():

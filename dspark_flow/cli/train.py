@@ -17,8 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stage",
         action="append",
-        choices=["data", "train", "export", "eval"],
-        help="run only these stages (repeatable; default: all; export writes the newest checkpoint)",
+        choices=["data", "train", "export", "vocab", "eval"],
+        help="run only these stages (repeatable; default: data, train, export, eval; export "
+        "writes the newest checkpoint and the draft vocabulary, vocab only the latter)",
     )
     p.add_argument("--fresh", action="store_true", help="discard checkpoints and start at step 0")
     p.add_argument(
@@ -53,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(summary, indent=2))
-    elif "eval" not in summary and "train" not in summary and "data" not in summary:
+    elif not {"eval", "train", "data", "vocab"} & summary.keys():
         raise DsparkFlowError("nothing was run")
     return 0

@@ -28,6 +28,7 @@ HUB_PATTERNS = [
     "*.tiktoken",
     "*.txt",
     "*.jinja",
+    "draft_vocab.npy",  # a trained drafter's draft vocabulary (models/draft_vocab.py)
 ]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = {"1", "true", "yes", "on"}

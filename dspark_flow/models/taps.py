@@ -172,11 +172,22 @@ def target_embedding(model: nn.Module) -> nn.Module:
 
 def target_lm_head(model: nn.Module) -> Any:
     """A callable hidden -> logits: the target's `lm_head`, else its tied embedding."""
+    head = _own_lm_head(model)
+    return head if head is not None else target_embedding(model).as_linear
+
+
+def target_head_module(model: nn.Module) -> nn.Module:
+    """The module holding the target's output rows: its `lm_head`, else its tied embedding."""
+    head = _own_lm_head(model)
+    return head if head is not None else target_embedding(model)
+
+
+def _own_lm_head(model: nn.Module) -> Any:
     for holder in (model, getattr(model, "language_model", None)):
         head = getattr(holder, "lm_head", None) if holder is not None else None
         if head is not None:
             return head
-    return target_embedding(model).as_linear
+    return None
 
 
 def target_vocab_size(model: nn.Module) -> int:

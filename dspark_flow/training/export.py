@@ -21,7 +21,7 @@ from dspark_flow.training.recipe import TrainRecipe
 
 WEIGHTS = "model.safetensors"
 # What an exported drafter directory holds; export replaces only such a directory.
-DRAFTER_FILES = {WEIGHTS, "config.json", "README.md", "train_summary.json"}
+DRAFTER_FILES = {WEIGHTS, "config.json", "README.md", "train_summary.json", "draft_vocab.npy"}
 
 
 def drafter_config(recipe: TrainRecipe, dims: dict[str, int], mask_token_id: int) -> dict[str, Any]:

@@ -1,5 +1,8 @@
 """`dspark-flow train RECIPE`: data -> train -> export -> evaluate, each stage resumable.
 
+The `vocab` stage (also part of export) counts the answer tokens of the training data and writes
+the drafter's draft vocabulary (`draft_vocab.npy`, dspark_flow/models/draft_vocab.py).
+
 The frozen target is loaded once (float32 on CPU, bfloat16 on GPUs) and serves both data
 generation and training; evaluation loads it again in the product's runtime format (what users
 decode with), so the τ it reports is the τ they get.
@@ -19,7 +22,7 @@ from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 log = get_logger(__name__)
-STAGES = ("data", "train", "export", "eval")
+STAGES = ("data", "train", "export", "eval")  # the default run; export writes the vocab too
 SUMMARY = "train_summary.json"
 
 
@@ -56,6 +59,7 @@ def run_training(
     With `time_limit` (seconds from the start of this call) training pauses at a checkpoint
     once past it, and the later stages wait for a rerun, which resumes where it paused."""
     from dspark_flow.errors import DsparkFlowError
+    from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import load
     from dspark_flow.training.data import build_dataset, data_cache_dir, load_samples
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
@@ -149,8 +153,25 @@ def run_training(
         if trainer.model is None:
             trainer.warm_up(target, tok)
         summary["exported_step"] = trainer.load_weights_from()
+        # Export replaces the directory: keep the draft vocabulary (recounted below if it can be).
+        kept = (out / VOCAB_FILE).read_bytes() if (out / VOCAB_FILE).is_file() else None
         trainer.export(work_dir(recipe) / "float", quantize=None)
         trainer.export(out)
+        if kept is not None:
+            (out / VOCAB_FILE).write_bytes(kept)
+    if "export" in stages or "vocab" in stages:
+        try:
+            if not producing:
+                samples = load_samples(data_cache_dir(recipe))
+        except DsparkFlowError:
+            if "vocab" in stages:
+                raise
+            log.warning("no training data here: the draft vocabulary was not recounted")
+        else:
+            floats = work_dir(recipe) / "float"
+            dirs = (out, floats) if (floats / "config.json").is_file() else (out,)
+            summary["vocab"] = write_vocab(target, samples, dirs)
+    if "export" in stages:
         summary["size_mb"] = round(size_mb(out), 2)
     if "eval" in stages and recipe.eval.prompts:
         if not (out / "config.json").is_file():
@@ -186,6 +207,24 @@ def run_training(
         (out / SUMMARY).write_text(text)
         write_card(recipe, out)
     return summary
+
+
+def write_vocab(target: Any, samples: list[Any], dirs: tuple[Path, ...]) -> dict[str, Any]:
+    """Count the samples' answer tokens and write the draft vocabulary into each of `dirs`."""
+    from dspark_flow.models.draft_vocab import count_answer_tokens, coverage, write_draft_vocab
+    from dspark_flow.models.taps import target_vocab_size
+
+    counts = count_answer_tokens(samples, target_vocab_size(target))
+    for d in dirs:
+        path = write_draft_vocab(d, counts)
+    record = {
+        "file": str(path),
+        "answer_tokens": int(counts.sum()),
+        "distinct": int((counts > 0).sum()),
+        "coverage": coverage(counts),  # share of the answer tokens inside the top N
+    }
+    log.info("draft vocabulary written", **record)
+    return record
 
 
 def _read_summary(path: Path) -> dict[str, Any]:
@@ -245,6 +284,16 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         parts += ["", *(f"- {note}" for note in summary["notes"])]
     for label, rows in ev.items():
         parts += ["", f"{label}:", "", format_eval(rows)]
+    vocab = summary.get("vocab") or {}
+    if vocab and (out / "draft_vocab.npy").is_file():
+        cover = ", ".join(f"{n}: {100 * c:.1f}%" for n, c in vocab.get("coverage", {}).items())
+        parts += [
+            "",
+            "## Draft vocabulary",
+            f"`draft_vocab.npy`: token ids by frequency among the {vocab.get('answer_tokens', '?')} "
+            f"answer tokens ({vocab.get('distinct', '?')} distinct); share of them in the top N: "
+            f"{cover}. Drafter setting `draft_vocab: N` drafts among the top N only (lossless).",
+        ]
     parts += ["", "## Reproduce", "```"]
     parts.append(train.get("command") or f"dspark-flow train {shlex.quote(recipe.name)}.yaml")
     if summary.get("eval_command") and summary.get("eval_command") != train.get("command"):

@@ -6,6 +6,11 @@ the target has not run on it) and the context is the tapped target features of e
 position before it. Features arrive through `after_forward`, right after each target forward, cut
 to the committed rows; they are projected into the drafter's context keys/values once and never
 rolled back, because only committed rows ever enter.
+
+With `draft_vocab: N` the drafter's output head covers only the N ids of the checkpoint's
+`draft_vocab.npy` (dspark_flow/models/draft_vocab.py): subclasses compute logits over those rows,
+`token_ids` maps their picks back to vocabulary ids and `full_probs` scatters a sampled q back
+onto the vocabulary (zero elsewhere), so the sampler's accept/reject test sees the q drawn from.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import mlx.nn as nn
 from pydantic import Field, field_validator
 
 from dspark_flow.errors import ConfigError, DsparkFlowError
+from dspark_flow.models.draft_vocab import SubsetHead, read_draft_vocab
 from dspark_flow.models.drafter_backbone import ContextKV, DrafterBackbone
 from dspark_flow.models.drafter_loading import (
     DrafterSpec,
@@ -49,6 +55,14 @@ class BlockDrafterConfig(StrategyConfig):
         "checkpoint is dequantized to float32 there unless quantize is 4 or 8), else as stored",
     )
 
+    draft_vocab: int | None = Field(
+        None,
+        ge=1,
+        description="draft only among the N most frequent tokens of the target's outputs (the "
+        "checkpoint's draft_vocab.npy): the head computes N rows instead of the vocabulary. "
+        "Lossless (verification is unchanged); costs acceptance on rarer tokens. null: all",
+    )
+
     @field_validator("quantize", mode="before")
     @classmethod
     def _none_word(cls, value: Any) -> Any:
@@ -56,6 +70,16 @@ class BlockDrafterConfig(StrategyConfig):
         return (
             None if isinstance(value, str) and value.lower() in ("none", "null", "off") else value
         )
+
+    @field_validator("draft_vocab", mode="before")
+    @classmethod
+    def _vocab_off(cls, value: Any) -> Any:
+        # YAML reads `off`/`no` as false; `none` is a string. Each means the full vocabulary.
+        if value is False or (isinstance(value, str) and value.lower() in ("none", "null", "off")):
+            return None
+        if value is True:
+            raise ValueError("draft_vocab is a number of tokens (e.g. 8192), or null for all")
+        return value
 
 
 class BlockDrafter(Drafter):
@@ -82,6 +106,7 @@ class BlockDrafter(Drafter):
         self._state = ContextKV(0)
         self._pending: list[mx.array] = []
         self._rows = 0  # committed rows received since begin()
+        self._ids: mx.array | None = None  # the draft vocabulary's token ids (None: all)
         # Set to a list to record each slot's scores (tests compare them with a reference).
         self.trace: list[Any] | None = None
 
@@ -93,6 +118,11 @@ class BlockDrafter(Drafter):
 
     def bind(self, target: nn.Module) -> None:
         """Take what the drafter borrows from the target (DFlash: embedding and LM head)."""
+
+    def restrict(self, target: nn.Module) -> None:
+        """Gather the draft vocabulary's rows (`head_rows`) of the output head and of anything
+        else computed over the vocabulary; called once per target, after `bind`."""
+        raise NotImplementedError
 
     def embed(self, tokens: mx.array) -> mx.array:
         raise NotImplementedError
@@ -129,6 +159,7 @@ class BlockDrafter(Drafter):
             self.build(spec), spec, self.config.quantize, self.config.dtype
         )
         self.spec = spec
+        self._target = None  # bind (and restrict) the new weights at the next warm_up
 
     def warm_up(self, ctx: BuildContext) -> None:
         if self.model is None:
@@ -138,6 +169,14 @@ class BlockDrafter(Drafter):
             check_pair(self.spec, ctx.model)
             self._taps = install_taps(ctx.model, self.spec.target_layer_ids)
             self.bind(ctx.model)
+            if self.config.draft_vocab is not None:
+                self._ids = read_draft_vocab(
+                    self.spec.path,
+                    self.config.draft_vocab,
+                    self.spec.vocab_size,
+                    f"drafter {self.config.kind}",
+                )
+                self.restrict(ctx.model)
             self._target = ctx.model
 
     # -- one generation ----------------------------------------------------------------------
@@ -194,6 +233,26 @@ class BlockDrafter(Drafter):
         block = mx.array([history[-1]] + [self.spec.mask_token_id] * (self.block_size - 1))
         hidden = self.model(self._state, self.embed(block)[None])[0]
         return self.draft(hidden, history[-1], k)
+
+    # -- the draft vocabulary ----------------------------------------------------------------
+
+    def head_rows(self, head: nn.Module) -> nn.Module:
+        """`head` restricted to the draft vocabulary (unchanged without one)."""
+        return head if self._ids is None else SubsetHead(head, self._ids)
+
+    def token_ids(self, index: mx.array) -> mx.array:
+        """Vocabulary ids of head row indices (the identity without a draft vocabulary)."""
+        return index if self._ids is None else self._ids[index]
+
+    def full_probs(self, q: mx.array) -> mx.array:
+        """Distributions (rows, N) over the draft vocabulary as (rows, vocab), zero elsewhere."""
+        if self._ids is None:
+            return q
+        assert self.spec is not None
+        ids = mx.broadcast_to(self._ids, q.shape)
+        return mx.put_along_axis(
+            mx.zeros((q.shape[0], self.spec.vocab_size), q.dtype), ids, q, axis=-1
+        )
 
     # -- sampling helpers --------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ token at the anchor's position + j, so a block of B gives B-1 drafts (z-lab dfla
 `final_logit_softcapping`). DFlash 2 (config architectures `DFlash2DraftModel`) adds dynamic
 convolutions in every layer (see drafter_backbone) and a candidate selector: each slot keeps its
 top-k candidates and a low-rank predecessor -> successor score picks a path left to right.
+With `draft_vocab` the target's head is used at the draft vocabulary's rows only (gathered once
+per target) and the selector's candidates come from those rows.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import Field
 
+from dspark_flow.errors import ConfigError
 from dspark_flow.models.drafter_backbone import DrafterBackbone
 from dspark_flow.models.drafter_loading import DFLASH, DFLASH2, DrafterSpec
-from dspark_flow.models.taps import target_embedding, target_lm_head
+from dspark_flow.models.taps import target_embedding, target_head_module, target_lm_head
 from dspark_flow.strategies.drafters.block_drafter import BlockDrafter, BlockDrafterConfig
 from dspark_flow.strategy import Draft
 
@@ -71,6 +74,16 @@ class DFlashDrafter(BlockDrafter):
         self._embed = target_embedding(target)
         self._head = target_lm_head(target)
 
+    def restrict(self, target: nn.Module) -> None:
+        sel = self.model.get("candidate_selector")
+        n = self.config.draft_vocab or 0
+        if sel is not None and self.config.use_selector and n < sel.top_k:
+            raise ConfigError(
+                f"drafter dflash: draft_vocab {n} is smaller than the selector's "
+                f"{sel.top_k} candidates per slot"
+            )
+        self._head = self.head_rows(target_head_module(target))
+
     def embed(self, tokens: mx.array) -> mx.array:
         assert self.spec is not None
         x = self._embed(tokens).astype(self.model.compute_dtype())
@@ -97,18 +110,20 @@ class DFlashDrafter(BlockDrafter):
         if self.trace is not None:
             self.trace.extend(logits)
         if self.greedy:
-            return Draft(tokens=mx.argmax(logits, axis=-1).tolist())
+            return Draft(tokens=self.token_ids(mx.argmax(logits, axis=-1)).tolist())
         q = self._sampler.probs(logits)  # type: ignore[union-attr]
-        tokens = mx.stack([self.draw(q[i]) for i in range(n)])
-        return Draft(tokens=tokens.tolist(), probs=q)
+        tokens = self.token_ids(mx.stack([self.draw(q[i]) for i in range(n)]))
+        return Draft(tokens=tokens.tolist(), probs=self.full_probs(q))
 
     def _select(
         self, sel: CandidateSelector, hidden: mx.array, logits: mx.array, anchor: int
     ) -> Draft:
         """Walk the slots left to right; each picks among its top-k by unary + edge score."""
-        vocab = logits.shape[-1]
-        cands = mx.argpartition(logits, -sel.top_k, axis=-1)[:, -sel.top_k :]
-        unary = mx.take_along_axis(logits, cands, axis=-1)
+        assert self.spec is not None
+        vocab = self.spec.vocab_size
+        rows = mx.argpartition(logits, -sel.top_k, axis=-1)[:, -sel.top_k :]
+        unary = mx.take_along_axis(logits, rows, axis=-1)
+        cands = self.token_ids(rows)  # vocabulary ids (the head may cover the draft vocab only)
         proj = sel.hidden_projection(hidden).astype(mx.float32)
         succ = sel.successor_codebook(cands).astype(mx.float32)  # (n, top_k, rank)
         prev = mx.array([anchor])  # shape (1,): a quantized codebook needs a batch axis

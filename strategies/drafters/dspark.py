@@ -8,12 +8,14 @@ Two cheap heads run left to right after the pass: the Markov head adds a low-ran
 correction to each slot's logits (vanilla, gated or RNN, as configured), and the confidence head
 predicts whether each slot will be accepted; `confidence_threshold` cuts the block at the first
 slot whose sigmoid falls below it (deepspec/eval/dspark/draft_ops.py).
+With `draft_vocab` the head and the Markov head's output factor cover the draft vocabulary's rows
+only; the Markov head and the confidence head read the previous draft token by its vocabulary id.
 DeepSpec's own `dflash_*_block7` checkpoints are this architecture with both heads off.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,22 +56,24 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
 
     def step(
-        self, prev: mx.array, hidden: mx.array, state: mx.array | None
+        self, prev: mx.array, hidden: mx.array, state: mx.array | None, w2: nn.Module | None = None
     ) -> tuple[mx.array, mx.array | None]:
         """(bias over the vocabulary, next recurrent state) for one slot; `prev` has shape (1,)
-        (a quantized embedding needs a batch axis)."""
+        (a quantized embedding needs a batch axis). `w2` replaces the output factor (the draft
+        vocabulary's rows of it)."""
+        w2 = self.markov_w2 if w2 is None else w2
         e = self.markov_w1(prev)[0]
         if self.kind == "vanilla":
-            return self.markov_w2(e), state
+            return w2(e), state
         if self.kind == "gated":
             gate = mx.sigmoid(self.gate_proj(mx.concatenate([hidden, e], axis=-1)))
-            return self.markov_w2(gate * e), state
+            return w2(gate * e), state
         assert state is not None
         proj = self.joint_proj(mx.concatenate([state, e, hidden], axis=-1))
         gate, cand, out = mx.split(proj, 3, axis=-1)
         gate = mx.sigmoid(gate)
         state = gate * state + (1.0 - gate) * mx.tanh(cand)
-        return self.markov_w2(mx.tanh(out)), state
+        return w2(mx.tanh(out)), state
 
 
 class ConfidenceHead(nn.Module):
@@ -103,12 +107,21 @@ class DSparkModel(DrafterBackbone):
             return self.lm_head(hidden)
         return self.embed_tokens.as_linear(hidden)
 
+    def head_module(self) -> nn.Module:
+        """The module whose rows are the output head (the embedding when tied)."""
+        return self.lm_head if "lm_head" in self else self.embed_tokens
+
 
 class DSparkDrafter(BlockDrafter):
     Config = DSparkConfig
     config: DSparkConfig
     LAYOUTS = (DEEPSPEC,)
     first_slot = 0
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._head: Any = None  # the draft vocabulary's rows of the head (None: the full head)
+        self._markov_w2: Any = None  # ... and of the Markov head's output factor
 
     @property
     def max_draft(self) -> int | None:
@@ -117,6 +130,11 @@ class DSparkDrafter(BlockDrafter):
     def build(self, spec: DrafterSpec) -> DSparkModel:
         return DSparkModel(spec)
 
+    def restrict(self, target: nn.Module) -> None:
+        self._head = self.head_rows(self.model.head_module())
+        markov = self.model.get("markov_head")
+        self._markov_w2 = self.head_rows(markov.markov_w2) if markov is not None else None
+
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.embed_tokens(tokens)
 
@@ -124,7 +142,8 @@ class DSparkDrafter(BlockDrafter):
         m = self.model
         n = min(k, hidden.shape[0] - self.first_slot)
         hidden = hidden[self.first_slot : self.first_slot + n]
-        logits = m.logits(hidden)  # (n, vocab) before the Markov correction
+        # (n, vocab or draft vocab) before the Markov correction
+        logits = m.logits(hidden) if self._head is None else self._head(hidden)
         markov = m.get("markov_head")
         conf_head = m.get("confidence_head")
         state = mx.zeros((markov.rank,), hidden.dtype) if markov and markov.kind == "rnn" else None
@@ -135,7 +154,7 @@ class DSparkDrafter(BlockDrafter):
         for j in range(n):  # left to right: each slot's correction depends on the previous token
             row = logits[j]
             if markov is not None:
-                bias, state = markov.step(prev, hidden[j], state)
+                bias, state = markov.step(prev, hidden[j], state, self._markov_w2)
                 row = row + bias
             if conf_head is not None:
                 feat = hidden[j]
@@ -145,11 +164,11 @@ class DSparkDrafter(BlockDrafter):
             if self.trace is not None:
                 self.trace.append((row, confs[-1] if confs else None))
             if self.greedy:
-                token = mx.argmax(row)
+                token = self.token_ids(mx.argmax(row))
             else:
                 q = self.probs(row)
                 dists.append(q)
-                token = self.draw(q)
+                token = self.token_ids(self.draw(q))
             tokens.append(token)
             prev = token.reshape(1)
         if n == 0:
@@ -164,5 +183,5 @@ class DSparkDrafter(BlockDrafter):
         if confs and threshold > 0.0:
             below = [i for i, c in enumerate(values[n:]) if c < threshold]
             keep = below[0] if below else n
-        probs = mx.stack(dists[:keep]) if dists and keep else None
+        probs = self.full_probs(mx.stack(dists[:keep])) if dists and keep else None
         return Draft(tokens=ids[:keep], probs=probs)
