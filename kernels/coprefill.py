@@ -23,6 +23,7 @@ from dspark_flow.kernels.probe import (
     VerdictCache,
     dtype_name,
     qmm_inputs,
+    rejudged,
     relative_error,
     time_pair,
 )
@@ -89,7 +90,7 @@ def probe_coprefill(
     fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
     key = ProbeKey.make(NAME, VERSION, fmt, rows, n, k, dtype_name(x_dtype))
     if not force and (hit := store.get(key)) is not None:
-        return hit
+        return rejudged(hit, min_gain)
     inputs = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)(0)
 
     def twin(x, w, s, b, gs, bits_):

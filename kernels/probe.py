@@ -199,7 +199,7 @@ def relative_error(out: Any, ref: mx.array) -> float:
     return err if err == err else float("inf")  # NaN -> inf
 
 
-def _rejudged(verdict: Verdict, min_gain: float) -> Verdict:
+def rejudged(verdict: Verdict, min_gain: float) -> Verdict:
     """A cached verdict judged against this caller's `min_gain`: the cache stores what was
     measured (timings, correctness), and the speedup a caller demands is not part of its key."""
     if not verdict.correct or not verdict.kernel_ms or not verdict.twin_ms:
@@ -240,7 +240,7 @@ def probe(
     """
     store = store if store is not None else VerdictCache()
     if not force and (hit := store.get(key)) is not None:
-        return _rejudged(hit, min_gain)
+        return rejudged(hit, min_gain)
     draws = [make_inputs(0), make_inputs(1)]
     try:
         outs = [kernel(*inputs) for inputs in draws]

@@ -698,6 +698,7 @@ BAD_VOCAB = {
     "repeated-ids": (8, "repeated", "token ids are not distinct"),
     "out-of-range": (8, "range", f"token ids must lie in [0, {VOCAB})"),
     "not-ids": (8, "float", "expected a 1-D array of token ids"),
+    "empty-file": (8, "empty", "cannot read"),
 }
 
 
@@ -709,6 +710,8 @@ def test_bad_draft_vocab_fails_in_one_line(tmp_path, tiny4, case):
     contents["range"] = [1, 2, 3, 4, 5, 6, 7, VOCAB]
     if file in contents:
         np.save(path / "draft_vocab.npy", np.array(contents[file]))
+    if file == "empty":
+        (path / "draft_vocab.npy").write_bytes(b"")
     with pytest.raises(ConfigError) as info:
         api.load_drafter(str(path), tiny4, draft_vocab=n)
     msg = str(info.value)

@@ -560,3 +560,25 @@ def test_verifier_probes_only_the_rows_its_drafter_can_ask_for(monkeypatch, tiny
     Pipeline.from_dict(short, target=tiny_quantized, verifier=pinned).warm_up()
     assert {v["rows"] for v in pinned.verdicts if v["kernel"] == "qmm_small_m"} == {1, 2}
     pinned.restore()
+    # Invariant mode routes all 16 whatever the drafter: plain greedy on the same target, and
+    # every short prefill, must take the same kernels as speculation does.
+    invariant = _emulated_verifier(invariant=True)
+    Pipeline.from_dict(
+        _recipe({"kind": "none"}), target=tiny_quantized, verifier=invariant
+    ).warm_up()
+    assert {v["rows"] for v in invariant.verdicts if v["kernel"] == "qmm_small_m"} == set(
+        range(1, 17)
+    )
+    invariant.restore()
+
+
+def test_bench_baseline_routes_every_verify_shape():
+    # The baseline has no drafter but times the verify curve for K = 1..16 and must compute as
+    # the compared pipelines do: its kernels verifier is pinned to 16 rows.
+    from dspark_flow.bench.plan import greedy_pipeline
+    from dspark_flow.recipe.load import loads_recipe
+
+    recipe = loads_recipe("verifier: {kind: kernels}\ndrafter: {kind: lookup}\n")
+    assert greedy_pipeline(recipe, target=None).recipe.verifier.max_rows == 16
+    recipe = loads_recipe("verifier: {kind: kernels, max_rows: 4}\n")
+    assert greedy_pipeline(recipe, target=None).recipe.verifier.max_rows == 4

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dspark_flow.kernels.qmm_small_m import MAX_ROWS as MAX_VERIFY_ROWS
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
 
@@ -59,12 +60,22 @@ def greedy_pipeline(recipe: Recipe, target: tuple[Any, Any]) -> Pipeline:
         "name": GREEDY,
         "target": recipe.target.model_dump(mode="json"),
         "prompt": recipe.prompt.model_dump(mode="json"),
-        "verifier": recipe.verifier.model_dump(mode="json"),
+        "verifier": _baseline_verifier(recipe),
         "drafter": {"kind": "none"},
         "sampler": {"kind": "greedy"},
         "stop": [{"kind": "eos"}],
     }
     return Pipeline.from_dict(data, target=target)
+
+
+def _baseline_verifier(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's verifier for the baseline; a kernels verifier routes every verify shape
+    (its default would size itself to drafter `none`: one row), since the baseline's pipeline
+    also times the verify cost curve for K = 1..16."""
+    verifier = recipe.verifier.model_dump(mode="json")
+    if verifier.get("kind") == "kernels" and verifier.get("max_rows") is None:
+        verifier["max_rows"] = MAX_VERIFY_ROWS
+    return verifier
 
 
 def _draft_length(recipe: Recipe) -> int:

@@ -38,8 +38,9 @@ def count_answer_tokens(samples: Any, vocab_size: int) -> np.ndarray:
     for s in samples:
         answer = np.asarray(s.tokens[s.prompt_len :], np.int64)
         if answer.size and (answer.min() < 0 or answer.max() >= vocab_size):
+            bad = int(answer.min()) if answer.min() < 0 else int(answer.max())
             raise DsparkFlowError(
-                f"training data holds token id {int(answer.max())} outside the target's "
+                f"training data holds token id {bad} outside the target's "
                 f"vocabulary of {vocab_size} (data of another target?)"
             )
         counts += np.bincount(answer, minlength=vocab_size)
@@ -92,8 +93,10 @@ def read_draft_vocab(directory: Path, n: int, vocab_size: int, who: str = "draft
         )
     try:
         ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{who}: cannot read {path}: {str(e).splitlines()[0]}") from e
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
+        raise ConfigError(
+            f"{who}: cannot read {path}: {(str(e) or type(e).__name__).splitlines()[0]}"
+        ) from e
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(f"{path}: expected a 1-D array of token ids, got {ids.dtype} {ids.shape}")
     ids = ids.astype(np.int64)

@@ -215,10 +215,9 @@ def write_vocab(target: Any, samples: list[Any], dirs: tuple[Path, ...]) -> dict
     from dspark_flow.models.taps import target_vocab_size
 
     counts = count_answer_tokens(samples, target_vocab_size(target))
-    for d in dirs:
-        path = write_draft_vocab(d, counts)
+    paths = [write_draft_vocab(d, counts) for d in dirs]
     record = {
-        "file": str(path),
+        "file": str(paths[0]),  # the drafter directory's copy (dirs[0]), the one users load
         "answer_tokens": int(counts.sum()),
         "distinct": int((counts > 0).sum()),
         "coverage": coverage(counts),  # share of the answer tokens inside the top N

@@ -120,7 +120,8 @@ class DFlashDrafter(BlockDrafter):
     ) -> Draft:
         """Walk the slots left to right; each picks among its top-k by unary + edge score."""
         assert self.spec is not None
-        vocab = self.spec.vocab_size
+        # q spans the vocabulary: the head's width, or (draft vocabulary) the ids it maps into
+        vocab = logits.shape[-1] if self._ids is None else self.spec.vocab_size
         rows = mx.argpartition(logits, -sel.top_k, axis=-1)[:, -sel.top_k :]
         unary = mx.take_along_axis(logits, rows, axis=-1)
         cands = self.token_ids(rows)  # vocabulary ids (the head may cover the draft vocab only)

@@ -5,7 +5,7 @@ the kernel is correct and faster (see docs/kernels.md).
 warm_up finds the target's quantized layers (QuantizedLinear, and a QuantizedEmbedding used as
 the tied output head), runs one recording forward to learn each layer's activation dtype and the
 attention's heads and dtype, then probes every verify shape (rows 1..max_rows: by default the
-most the pipeline's drafter can ask, its largest draft + 1) of every distinct
+most the pipeline's drafter can ask, its largest draft + 1, and 16 in invariant mode) of every distinct
 layer shape and every query count of the attention (per key-length bucket); verdicts are cached
 per machine. Layers are rerouted by swapping their class to a subclass whose matmul asks the
 router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
@@ -50,9 +50,9 @@ class KernelsConfig(StrategyConfig):
         None,
         ge=1,
         le=MAX_ROWS,
-        description="largest verify forward routed (rows); default: the drafter's largest draft "
-        "+ 1 (1 without a drafter, 16 for an unbounded one), so a first warm-up probes only "
-        "the shapes decoding can use",
+        description="largest verify forward routed (rows); default: 16 in invariant mode, "
+        "else the drafter's largest draft + 1 (1 without a drafter, 16 for an unbounded one), "
+        "so a first warm-up probes only the shapes decoding can use",
     )
     min_gain: float = Field(0.05, ge=0.0, description="speedup over the twin a kernel needs")
     head: bool = Field(True, description="route the tied output head (QuantizedEmbedding) too")
@@ -300,11 +300,14 @@ class KernelVerifier(Verifier):
         self._warmed = (id(ctx.model), rows)
 
     def _rows_wanted(self, ctx: BuildContext) -> int:
-        """The largest verify forward to probe and route: the recipe's `max_rows`, else what
-        the pipeline's drafter can ask for (probing 16 rows for a block-7 drafter doubles a
-        first GPU warm-up for shapes decoding never runs)."""
+        """The largest verify forward to probe and route: the recipe's `max_rows`; in invariant
+        mode all 16, since every pipeline on the target (plain greedy too) and every short
+        prefill must route alike; else what the pipeline's drafter can ask for (probing 16 rows
+        for a block-7 drafter doubles a first GPU warm-up for shapes decoding never runs)."""
         if self.config.max_rows is not None:
             return self.config.max_rows
+        if self.config.invariant:
+            return MAX_ROWS
         longest = ctx.drafter.max_draft if ctx.drafter is not None else None
         return MAX_ROWS if longest is None else max(1, min(MAX_ROWS, longest + 1))
 
