@@ -312,7 +312,7 @@ def test_cli_reports_a_bad_training_recipe_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_shipped_drafters_load_fit_the_size_limit_and_stay_lossless(embedded, kind):
-    from dspark_flow.api import greedy_generate, load_drafter, speculative_generate
+    from dspark_flow.api import load_drafter
     from dspark_flow.models.loading import resolve_model_path
 
     model, tok = embedded
@@ -321,6 +321,13 @@ def test_shipped_drafters_load_fit_the_size_limit_and_stay_lossless(embedded, ki
     assert sum(f.stat().st_size for f in path.iterdir()) <= 40 * 2**20
     drafter = load_drafter(ref, model)
     assert drafter.config.kind == kind and drafter.max_draft == 7
+    _assert_equals_greedy_and_accepts(model, tok, drafter)
+
+
+def _assert_equals_greedy_and_accepts(model, tok, drafter) -> None:
+    """At T = 0 the drafter's speculative output is plain greedy output, with drafts accepted."""
+    from dspark_flow.api import greedy_generate, speculative_generate
+
     for prompt in (
         "Natalia sold 48 clips in April and half as many in May. How many in all?",
         PROMPTS[1],
@@ -338,7 +345,7 @@ def test_shipped_drafters_load_fit_the_size_limit_and_stay_lossless(embedded, ki
 def test_shipped_drafters_with_a_draft_vocabulary_stay_lossless(embedded, kind):
     """`draft_vocab: 8192` on the shipped drafters and the real target: T = 0 output is plain
     greedy output, drafts still get accepted, and a seeded sampled run repeats."""
-    from dspark_flow.api import greedy_generate, load_drafter, speculative_generate
+    from dspark_flow.api import load_drafter, speculative_generate
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import resolve_model_path
 
@@ -347,16 +354,7 @@ def test_shipped_drafters_with_a_draft_vocabulary_stay_lossless(embedded, kind):
     assert (resolve_model_path(ref) / VOCAB_FILE).is_file()
     drafter = load_drafter(ref, model, draft_vocab=8192)
     assert drafter.token_ids(mx.arange(8192)).shape == (8192,)
-    for prompt in (
-        "Natalia sold 48 clips in April and half as many in May. How many in all?",
-        PROMPTS[1],
-    ):
-        want = greedy_generate(model, tok, prompt, max_new_tokens=48).token_ids
-        got = speculative_generate(
-            model, tok, drafter, prompt, max_new_tokens=48, max_draft_tokens=None
-        )
-        assert got.token_ids == want
-        assert got.mean_accept_len > 1.0
+    _assert_equals_greedy_and_accepts(model, tok, drafter)
     runs = [
         speculative_generate(
             model, tok, drafter, PROMPTS[0], max_new_tokens=24, temperature=0.7, seed=3
