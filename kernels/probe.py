@@ -207,12 +207,18 @@ def rejudged(verdict: Verdict, min_gain: float) -> Verdict:
     faster = verdict.twin_ms >= verdict.kernel_ms * (1.0 + min_gain)
     if faster == verdict.enabled:
         return verdict
-    reason = (
-        f"{verdict.speedup:.2f}x faster, error {verdict.max_rel_err or 0.0:.2g}"
-        if faster
-        else f"not faster by {min_gain:.0%}: {verdict.kernel_ms:.4f} ms vs twin {verdict.twin_ms:.4f} ms"
+    reason = _speed_reason(
+        faster, verdict.kernel_ms, verdict.twin_ms, verdict.max_rel_err, min_gain
     )
     return replace(verdict, enabled=faster, reason=reason)
+
+
+def _speed_reason(
+    faster: bool, kernel_ms: float, twin_ms: float, err: float | None, min_gain: float
+) -> str:
+    if faster:
+        return f"{twin_ms / kernel_ms:.2f}x faster, error {err or 0.0:.2g}"
+    return f"not faster by {min_gain:.0%}: {kernel_ms:.4f} ms vs twin {twin_ms:.4f} ms"
 
 
 def probe(
@@ -265,10 +271,8 @@ def probe(
     faster = twin_ms >= kernel_ms * (1.0 + min_gain)
     if err > bar:
         reason = f"wrong values: error {err:.3g} of output scale > tolerance {bar:g}"
-    elif not faster:
-        reason = f"not faster: {kernel_ms:.4f} ms vs twin {twin_ms:.4f} ms"
     else:
-        reason = f"{twin_ms / kernel_ms:.2f}x faster, error {err:.2g}"
+        reason = _speed_reason(faster, kernel_ms, twin_ms, err, min_gain)
     extra = {} if exact is None else {"twin_err": twin_err}
     verdict = Verdict(err <= bar and faster, reason, kernel_ms, twin_ms, err, extra, err <= bar)
     store.put(key, verdict)
