@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lease of two H200s (kind nvidia-h200-x2), three calls after staging: both GPUs busy all
-# the time. GPU 0 makes the training data then trains DSpark; GPU 1 measures the draft-cap
-# curves and sweeps (issue 6) while the data is made, then trains DFlash. Training pauses at a
+# the time. Both GPUs make the training data (half the answers each), then GPU 0 trains
+# DSpark and GPU 1 DFlash. Training pauses at a
 # checkpoint before each call's limit (`dspark-flow train --time-limit`) and the next call
 # resumes it; the last call exports both drafters and benchmarks them against greedy.
 #
@@ -30,15 +30,20 @@ left() { local n=$((CALL_S - ($(date +%s) - START))); echo $((n > 1 ? n : 1)); }
 dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
 
-data() {  # data [GPU]: the shared training data, on GPU 0 by default (resumable; the DFlash side waits for it)
+data() {  # the shared training data, half the answers on each GPU (resumable; training waits for it)
   [ -e /tmp/data.done ] && return 0
-  CUDA_VISIBLE_DEVICES=${1:-0} timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
+  for gpu in 0 1; do  # worker 0 writes the self prompts, worker 1 waits for them
+    CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 60)) python3 -P -m dspark_flow.cli.main train \
+      "$R-dspark.yaml" --stage data --data-worker $gpu/2 --quiet --log-level info 2>&1 \
+      | grep -vE "generation  " | cut -c1-260 >> $O/data-$gpu.log &
+  done
+  wait
+  # Both shares on disk: this run checks them and marks the set complete (it generates nothing).
+  CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
     "$R-dspark.yaml" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
     | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch /tmp/data.done
-  tail -2 $O/data.log
+  tail -2 $O/data-0.log $O/data-1.log $O/data.log
 }
-
-wait_data() { while [ ! -e /tmp/data.done ] && [ "$(left)" -gt 60 ]; do sleep 5; done; [ -e /tmp/data.done ]; }
 
 train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or the time is up
   local kind=$1 gpu=$2 secs=${3:-$(($(left) - 45))} stages=${4:---stage train}
@@ -60,30 +65,25 @@ sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GP
   tail -2 $O/dc-$d.log
 }
 
-bench() {  # bench KIND GPU: one drafter against greedy on held-out prompts, 3 trials
+bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) against greedy, 3 trials
+  for cap in "auto:{kind: auto}" "full:{kind: full_block}"; do
+    sed -e "s/^name: $1/name: $1-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
+      recipes/$1.yaml > /tmp/$1-${cap%%:*}.yaml
+  done
   CUDA_VISIBLE_DEVICES=$2 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
-    recipes/$1.yaml --prompts /tmp/heldout.jsonl --trials 3 --max-tokens 128 --no-mlx-lm \
-    --no-verify-cost --no-plots --quiet --set 'draft_cap={kind: full_block}' --out /tmp/bench-$1 \
+    /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --max-tokens 128 \
+    --no-mlx-lm --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
     > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
   cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
   grep -E "^\| (all|greedy|$1)" $O/bench-$1.md 2>/dev/null | head -8
 }
 
 case "${1:-}" in
-  first)
-    nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee $O/gpus.log
-    ( data && train dspark 0 ) &
-    (  # curves and sweeps (the shipped drafters' costs are the retrained ones'), then DFlash
-      sweep lookup 3 170
-      sweep dspark 2 150 --ks 1-7
-      sweep dflash 0 90
-      wait_data && train dflash 1
-    ) &
-    wait
-    ;;
-  more)
-    ( data && train dspark 0 ) &
-    ( wait_data && train dflash 1 ) &
+  first|more)  # the data on both GPUs, then DSpark on GPU 0 and DFlash on GPU 1
+    [ "$1" = first ] && nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee $O/gpus.log
+    data
+    train dspark 0 &
+    train dflash 1 &
     wait
     ;;
   last)  # finish training, export, pack, then each drafter against greedy on its own GPU

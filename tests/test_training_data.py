@@ -159,3 +159,56 @@ def test_changed_key_regenerates(embedded, built, monkeypatch):
         assert len(answer) <= 8
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["complete"] and manifest["chunks"] == len(list(cache.glob("shard_*.npz")))
+
+
+@pytest.mark.slow
+def test_data_workers_split_the_answers_and_the_last_completes_the_set(
+    embedded, tmp_path, monkeypatch
+):
+    model, tok = embedded
+    monkeypatch.setattr(tdata, "CHUNK_PROMPTS", 2)  # 5 prompts in 3 chunks of batch 2
+    recipe = _recipe(tmp_path, batch_size=2, cache_dir=str(tmp_path / "split"))
+    calls = _spy(monkeypatch)
+    first = tdata.DataWorker.parse("0/2")
+    cache = tdata.build_dataset(recipe, model, tok, progress=False, worker=first)
+    assert sorted(p.name for p in cache.glob("shard_*.npz")) == [
+        "shard_00000.npz",
+        "shard_00002.npz",
+    ]
+    with pytest.raises(DsparkFlowError, match="incomplete"):  # share 1 is not there yet
+        tdata.load_samples(cache)
+    assert not json.loads((cache / "manifest.json").read_text())["complete"]
+
+    calls.clear()
+    tdata.build_dataset(recipe, model, tok, progress=False, worker=tdata.DataWorker(1, 2))
+    assert calls == [2]  # its one chunk; the self prompts are worker 0's
+    assert json.loads((cache / "manifest.json").read_text())["complete"]
+    # Same prompts (same seeds), same greedy answers as one process makes.
+    alone = _recipe(tmp_path, batch_size=2, cache_dir=str(tmp_path / "alone"))
+    whole = tdata.load_samples(tdata.build_dataset(alone, model, tok, progress=False))
+    assert sorted(s.tokens.tobytes() for s in tdata.load_samples(cache)) == sorted(
+        s.tokens.tobytes() for s in whole
+    )
+
+
+def test_data_worker_parse_errors():
+    assert tdata.DataWorker.parse("1/3") == tdata.DataWorker(1, 3)
+    for bad in ("2/2", "x/2", "1", "0/0", "-1/2"):
+        with pytest.raises(DsparkFlowError, match="data worker"):
+            tdata.DataWorker.parse(bad)
+
+
+@pytest.mark.slow
+def test_self_prompt_starts_begin_the_user_turns_in_turn(embedded, tmp_path):
+    model, tok = embedded
+    start = "Write a Python function"
+    recipe = _recipe(tmp_path, batch_size=1, self_prompt_starts=["", start])
+    cache = tdata.data_cache_dir(recipe)
+    cache.mkdir(parents=True)
+    made = tdata._self_prompts(recipe, model, tok, cache, set(), False, tdata.DataWorker())
+    assert len(made) == 2
+    assert not made[0].startswith(start) and made[1].startswith(start)
+    assert len(made[1]) >= len(start) + tdata.MIN_SELF_PROMPT_CHARS
+    # The starts are part of the self prompts' key: free-only prompts are not reused for them.
+    free = _recipe(tmp_path, batch_size=1)
+    assert tdata._self_key(free) != tdata._self_key(recipe)

@@ -29,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pause training at a checkpoint once this long has passed (a rerun resumes; "
         "export and eval wait for the run that finishes)",
     )
+    p.add_argument(
+        "--data-worker",
+        metavar="I/N",
+        help="with --stage data: make only share I of N of the answers (one process per GPU; "
+        "worker 0 writes the self prompts, the others wait for them)",
+    )
     p.add_argument("--check", action="store_true", help="validate the recipe and stop")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -51,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         command=command,
         time_limit=args.time_limit,
+        data_worker=args.data_worker,
     )
     if args.json:
         print(json.dumps(summary, indent=2))

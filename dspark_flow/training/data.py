@@ -37,6 +37,33 @@ DROP_FRACTION = 8  # drop finished rows from a batch once they are 1/8 of it
 _SENTINEL = "\u2063DSPARK-USER-TURN\u2063"
 MANIFEST = "manifest.json"
 SELF_PROMPTS = "self_prompts.jsonl"
+WORKER_POLL_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class DataWorker:
+    """One of `count` processes (one per GPU) making a share of the answers: chunk i is
+    worker i % count's. Worker 0 also writes the self prompts the others wait for."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> DataWorker:
+        """'I/N' (0 <= I < N) as on the command line."""
+        try:
+            index, count = (int(part) for part in text.split("/"))
+        except ValueError:
+            raise ConfigError(f"data worker {text!r}: expected I/N, e.g. 0/2") from None
+        if count < 1 or not 0 <= index < count:
+            raise ConfigError(f"data worker {text!r}: need 0 <= I < N")
+        return cls(index, count)
+
+    def owns(self, chunk: int) -> bool:
+        return chunk % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
 
 
 @dataclass
@@ -125,6 +152,8 @@ def _self_key(recipe: TrainRecipe) -> str:
             "system": d.system,
             "seed": d.seed,
             "batch_size": d.batch_size,
+            # Free-only data keeps the key it had before starts existed (its cache stays valid).
+            **({"starts": d.self_prompt_starts} if d.self_prompt_starts != [""] else {}),
         }
     )
 
@@ -308,6 +337,22 @@ def _read_self_prompts(path: Path, key: str) -> list[dict[str, Any]]:
     return records
 
 
+def _wait_for_self_prompts(path: Path, key: str, want: int, worker: DataWorker) -> list[str]:
+    """A worker other than the first uses the first one's self prompts, once it has made them
+    (generating them twice would waste the time the split is for, and could differ)."""
+    announced = False
+    while True:
+        prompts = [r["prompt"] for r in _read_self_prompts(path, key)]
+        if len(prompts) >= want:
+            return prompts[:want]
+        if not announced:
+            log.info(
+                "waiting for data worker 0's self prompts", worker=str(worker), have=len(prompts)
+            )
+            announced = True
+        time.sleep(WORKER_POLL_SECONDS)
+
+
 def _self_prompts(
     recipe: TrainRecipe,
     model: Any,
@@ -315,6 +360,7 @@ def _self_prompts(
     cache: Path,
     avoid: set[str],
     progress: bool,
+    worker: DataWorker,
 ) -> list[str]:
     """`data.self_prompts` user turns written by the target (cached in self_prompts.jsonl)."""
     d = recipe.data
@@ -325,8 +371,14 @@ def _self_prompts(
     prompts = [r["prompt"] for r in records]
     if len(prompts) >= want:
         return prompts[:want]
+    if worker.index > 0:
+        return _wait_for_self_prompts(path, key, want, worker)
     batch = max((r["batch"] for r in records), default=-1) + 1
-    prefix = _user_turn_prefix(tokenizer, d.system)
+    user_turn = _user_turn_prefix(tokenizer, d.system)
+    starts = [
+        list(tokenizer.encode(s, add_special_tokens=False)) if s else []
+        for s in d.self_prompt_starts
+    ]
     eos = _eos_ids(tokenizer)
     eos_set = set(eos.tolist())
     seen = set(prompts) | avoid
@@ -336,9 +388,10 @@ def _self_prompts(
     started = time.perf_counter()
     while len(prompts) < want and tried < budget:
         rows = min(d.batch_size, _rows_for(want, len(prompts)), budget - tried)
+        start = starts[batch % len(starts)]  # each batch begins its user turns one way
         new, _ = generate_batch(
             model,
-            [prefix] * rows,
+            [user_turn + start] * rows,
             max_new_tokens=d.self_prompt_max_tokens,
             eos_ids=eos,
             temperature=d.self_prompt_temperature,
@@ -347,8 +400,10 @@ def _self_prompts(
         )
         tried += rows
         for ids in new:
-            text = tokenizer.decode([t for t in ids if t not in eos_set]).strip()
-            if len(text) < MIN_SELF_PROMPT_CHARS or text in seen or len(prompts) >= want:
+            body = [t for t in ids if t not in eos_set]
+            text = tokenizer.decode(start + body).strip()
+            written = len(tokenizer.decode(body).strip())  # a bare start is no request
+            if written < MIN_SELF_PROMPT_CHARS or text in seen or len(prompts) >= want:
                 continue
             seen.add(text)
             prompts.append(text)
@@ -413,9 +468,17 @@ def _clear(cache: Path) -> None:
 
 
 def build_dataset(
-    recipe: TrainRecipe, model: Any, tokenizer: Any, *, progress: bool = True
+    recipe: TrainRecipe,
+    model: Any,
+    tokenizer: Any,
+    *,
+    progress: bool = True,
+    worker: DataWorker = DataWorker(),
 ) -> Path:
-    """Generate (or finish generating) the recipe's samples; returns the cache directory."""
+    """Generate (or finish generating) the recipe's samples; returns the cache directory.
+
+    A `worker` other than 0/1 makes only its share; the data is complete (and the manifest says
+    so) once every share is on disk, whichever worker finishes last."""
     d = recipe.data
     cache = data_cache_dir(recipe)
     try:
@@ -431,7 +494,8 @@ def build_dataset(
     if d.self_prompts:
         avoid = {p for _, p in prompts}
         prompts += [
-            ("self", p) for p in _self_prompts(recipe, model, tokenizer, cache, avoid, progress)
+            ("self", p)
+            for p in _self_prompts(recipe, model, tokenizer, cache, avoid, progress, worker)
         ]
 
     chunk = d.batch_size * -(-CHUNK_PROMPTS // d.batch_size)
@@ -443,8 +507,8 @@ def build_dataset(
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             manifest = {}
-    if manifest.get("key") != key:
-        _clear(cache)
+    if manifest.get("key") != key and worker.count == 1:
+        _clear(cache)  # (workers share the folder: stale shards are simply regenerated by key)
 
     # Encode, drop prompts past max_prompt_tokens, sort by length (less padding), chunk.
     encoded: list[tuple[list[int], str]] = []
@@ -477,7 +541,11 @@ def build_dataset(
     eos = _eos_ids(tokenizer)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     pad_id = int(pad_id) if pad_id is not None else int(eos[0]) if len(eos) else 0
-    todo = [i for i in range(len(chunks)) if not _shard_ok(cache / _shard_name(i), key)]
+    todo = [
+        i
+        for i in range(len(chunks))
+        if worker.owns(i) and not _shard_ok(cache / _shard_name(i), key)
+    ]
     done_prompts = len(encoded) - sum(len(chunks[i]) for i in todo)
     bar = _bar(progress, len(encoded), done_prompts, "answers")
     new_tokens = 0
@@ -521,6 +589,17 @@ def build_dataset(
         _write_atomic(cache / _shard_name(ci), lambda f, a=arrays: np.savez(f, **a))
     if bar is not None:
         bar.close()
+    missing = [i for i in range(len(chunks)) if not _shard_ok(cache / _shard_name(i), key)]
+    if missing:  # other workers' shares still being made
+        log.info(
+            "data worker done; waiting for the other shares",
+            worker=str(worker),
+            generated_chunks=len(todo),
+            chunks_missing=len(missing),
+            generated_tokens=new_tokens,
+            tokens_per_sec=round(new_tokens / gen_seconds, 1) if gen_seconds else None,
+        )
+        return cache
     manifest["complete"] = True
     _write_json(manifest_path, manifest)
 

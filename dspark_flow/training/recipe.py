@@ -127,6 +127,12 @@ class DataSpec(_Strict):
     self_prompts: int = Field(
         0, ge=0, description="prompts the target writes itself (Magpie-style) on top of the files"
     )
+    self_prompt_starts: list[str] = Field(
+        default_factory=lambda: [""],
+        min_length=1,
+        description="how self-written user turns begin, one per batch in turn ('' = free); "
+        "steers Magpie toward the kinds of request the drafter will serve",
+    )
     self_prompt_temperature: float = Field(1.0, gt=0.0)
     self_prompt_max_tokens: int = Field(96, ge=8)
     temperature: float = Field(0.0, ge=0.0, description="temperature of the target's answers")

@@ -53,20 +53,25 @@ def run_training(
     progress: bool = True,
     command: str | None = None,
     time_limit: float | None = None,
+    data_worker: str | None = None,
 ) -> dict[str, Any]:
     """Run the named stages; returns a summary (also written as train_summary.json).
 
     With `time_limit` (seconds from the start of this call) training pauses at a checkpoint
-    once past it, and the later stages wait for a rerun, which resumes where it paused."""
+    once past it, and the later stages wait for a rerun, which resumes where it paused.
+    `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops."""
     from dspark_flow.errors import DsparkFlowError
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import build_dataset, data_cache_dir, load_samples
+    from dspark_flow.training.data import DataWorker, build_dataset, data_cache_dir, load_samples
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
     from dspark_flow.training.export import size_mb
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
 
     t_start = time.perf_counter()
+    worker = DataWorker.parse(data_worker) if data_worker else DataWorker()
+    if worker.count > 1 and tuple(stages) != ("data",):
+        raise DsparkFlowError("a data worker (I/N) runs the data stage only: add --stage data")
     summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
     target, tok = load(
         recipe.target.model, training_weight_format(recipe.target.weights), recipe.target.revision
@@ -92,7 +97,9 @@ def run_training(
             complete_before = False
         # A train-only run uses complete data as it is; the data stage checks and finishes it.
         if "data" in stages or not complete_before:
-            cache = build_dataset(recipe, target, tok, progress=progress)
+            cache = build_dataset(recipe, target, tok, progress=progress, worker=worker)
+            if worker.count > 1:  # a share: the whole set may not be there yet
+                return {**summary, "data_worker": str(worker), "cache": str(cache)}
             samples = load_samples(cache)
         summary["data"] = {
             "samples": len(samples),
