@@ -11,12 +11,17 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark_flow.calibration import curves as curves_mod
 from dspark_flow.calibration.controller import best_plan, expected_tokens, plan_table
 from dspark_flow.calibration.curves import Curves, monotone_fit
-from dspark_flow.calibration.estimators import AcceptanceEstimator, LengthEstimator
+from dspark_flow.calibration.estimators import (
+    AcceptanceEstimator,
+    LengthEstimator,
+    beta_quantile,
+)
 from dspark_flow.calibration.obtain import obtain_curves
 from dspark_flow.calibration.store import ENV_DIR, VERSION, CurveStore, calibration_dir
 from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
@@ -286,6 +291,47 @@ def test_a_new_request_keeps_the_estimate_but_adapts_fast():
     assert cap.choose(16) == 0  # still off: the carried estimate says the drafter misses
     cap.observe(16, 16, 0.01)  # one long copy accepted in the new request...
     assert cap.choose(16) > 0  # ...is enough to draft again
+
+
+def test_a_few_misses_do_not_switch_drafting_off():
+    # CPU-like costs: each verified row adds 15% of a plain round, drafting 30%.
+    curves = synthetic(lambda K: 1 + 0.15 * (K - 1), block=7, drafter=0.3)
+    cap = AutoCap(AutoCapConfig(), curves=curves)
+    rng = random.Random(0)
+
+    def draft(accept: float, rounds: int) -> list[int]:
+        ks = []
+        for _ in range(rounds):
+            k = cap.choose(7)
+            got = 0
+            while got < k and rng.random() < accept:
+                got += 1
+            cap.observe(k, got, 0.0)
+            ks.append(k)
+        return ks
+
+    draft(0.6, 40)  # a request where drafts pay
+    cap.begin([1] * 10)
+    ks = []
+    for _ in range(4):  # the next one starts with four misses
+        ks.append(cap.choose(7))
+        cap.observe(ks[-1], 0, 0.0)
+    plan = cap.plan(7)
+    assert plan is not None and plan.gain < 1.0  # the estimate alone would switch off...
+    assert 0 not in ks  # ...but four rounds against a good history prove little
+    assert draft(0.0, 40)[-20:].count(0) >= 16  # a drafter that stopped hitting is off soon
+
+
+def test_beta_quantile():
+    # Checked against draws from numpy's Beta sampler, not against the same formulas: the share
+    # of draws at or below the quantile is the level (400k draws: within 0.004 is > 5 sigma).
+    rng = np.random.default_rng(0)
+    for a, b, level in [(4.3, 14.2, 0.9), (0.04, 3.96, 0.9), (1.9, 4.1, 0.5), (30, 2, 0.99)]:
+        q = beta_quantile(a, b, level)
+        assert abs(float(np.mean(rng.beta(a, b, 400_000) <= q)) - level) < 0.004, (a, b, q)
+    assert beta_quantile(0.0, 5.0, 0.9) == 0.0 and beta_quantile(3.0, 0.0, 0.9) == 1.0
+    # Next to no successes left: confidently near 0 even on four trials.
+    assert beta_quantile(0.04, 3.96, 0.9) < 0.02 < beta_quantile(1.0, 4.0, 0.9)
 
 
 def test_auto_never_drafts_where_it_cannot_pay():

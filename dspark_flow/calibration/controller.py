@@ -9,7 +9,8 @@ acceptance apart from the later ones', and how many tokens the drafter actually 
 allowed k (a lookup drafter often proposes fewer, or none), so a cap costs only what is drafted.
 
 `CurveCap` is the DraftCap both `calibrated` (fixed prior p) and `auto` (p learnt per round,
-speculation off when the gain drops below 1, periodic probes to come back) are built on.
+speculation off when the gain drops below 1 even at an optimistic reading of the evidence,
+periodic probes to come back) are built on.
 """
 
 from __future__ import annotations
@@ -147,6 +148,13 @@ class AdaptiveCapConfig(CurveCapConfig):
         description="probe at most once every this many rounds: while off, a short draft; "
         "while drafting one token, a draft of two",
     )
+    off_confidence: float = Field(
+        0.9,
+        ge=0.5,
+        lt=1,
+        description="switch drafting off only when at least this sure (Beta posterior of the "
+        "first position's acceptance) that it does not pay",
+    )
     probe_k: int = Field(2, ge=1, description="draft length of a probe round")
     probe_cost: float = Field(
         0.02,
@@ -262,10 +270,12 @@ class CurveCap(DraftCap):
             )
         return self._lengths
 
-    def plan(self, drafter_max: int | None = None) -> Plan | None:
+    def plan(self, drafter_max: int | None = None, optimistic: bool = False) -> Plan | None:
         if self.curves is None:
             return None
         p_first, p = self.acceptance()
+        if optimistic:  # the first position as high as the evidence still plausibly allows
+            p_first = self.estimator.first.upper(getattr(self.config, "off_confidence", 0.9))
         limit = self.limit(drafter_max)
         if (lengths := self.lengths) is not None:
             return best_plan(self.curves, p, self.depth, limit, p_first, lengths.survival())
@@ -291,7 +301,8 @@ class CurveCap(DraftCap):
         if not self.adaptive or limit == 0:
             return plan.k
         cfg = self.config
-        if plan.gain >= getattr(cfg, "min_gain", 1.0):
+        min_gain = getattr(cfg, "min_gain", 1.0)
+        if plan.gain >= min_gain or self._unsure_it_loses(drafter_max, min_gain):
             self._off_rounds = 0
             if plan.k != 1 or limit < 2:
                 self._single_rounds = 0
@@ -313,6 +324,21 @@ class CurveCap(DraftCap):
             self._off_rounds = 0
             return min(getattr(cfg, "probe_k", 2), limit)
         return 0
+
+    def _unsure_it_loses(self, drafter_max: int | None, min_gain: float) -> bool:
+        """The estimate says plain decoding is faster, but does the evidence say so firmly?
+
+        Switching off is the costly mistake: while off only sparse probes bring evidence, so a
+        drafter that was unlucky for a few rounds (the first rounds of a prompt, a run of
+        misses) stays off for long, whereas drafting on through a run of misses costs only the
+        difference to break-even. So drafting stays on while the first position's acceptance
+        could still plausibly (the `off_confidence` quantile of its Beta posterior) be high
+        enough to pay. The counts decay and include the prior and what a previous request left,
+        so a drafter that has missed for a window, in this request or the last, is off at once;
+        where a draft costs little, proof that it never pays takes longer, but also costs less.
+        """
+        optimistic = self.plan(drafter_max, optimistic=True)
+        return optimistic is not None and optimistic.gain >= min_gain
 
     def _probe_every(self, limit: int) -> int | None:
         """Rounds between probes while off; None when no k could pay even if every draft were

@@ -8,7 +8,70 @@ differ in how well a drafter does on them.
 
 from __future__ import annotations
 
+import math
+
 OPTIMISM = 1.0  # pseudo-rounds in the length estimate that continue past every n
+
+
+def beta_quantile(successes: float, failures: float, level: float) -> float:
+    """The `level` quantile of Beta(successes, failures): how high a rate the counts still
+    allow. The counts already hold the prior's pseudo-trials, so no further prior is added: with
+    next to no successes left (a drafter that has not hit for a window) the quantile is near 0
+    even on few trials, where a normal approximation would still allow a high rate."""
+    if successes <= 0.0:
+        return 0.0
+    if failures <= 0.0:
+        return 1.0
+    # Newton's method on the CDF, kept inside a shrinking bracket (bisecting where a step
+    # would leave it): a few CDF evaluations, since `auto` may need this every round.
+    lo, hi = 0.0, 1.0
+    x = successes / (successes + failures)
+    for _ in range(60):
+        cdf, density = _beta_cdf(x, successes, failures)
+        if abs(cdf - level) < 1e-10 or hi - lo < 1e-12:
+            break
+        if cdf < level:
+            lo = x
+        else:
+            hi = x
+        step = x - (cdf - level) / density if density > 0.0 else -1.0
+        x = step if lo < step < hi else 0.5 * (lo + hi)
+    return x
+
+
+def _beta_cdf(x: float, a: float, b: float) -> tuple[float, float]:
+    """Regularised incomplete beta I_x(a, b) and the Beta density at x. I_x by its continued
+    fraction (Numerical Recipes 6.4), on the side of x where that converges fast."""
+    if not 0.0 < x < 1.0:
+        return (0.0 if x <= 0.0 else 1.0), 0.0
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    density = front / (x * (1.0 - x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_fraction(x, a, b) / a, density
+    return 1.0 - front * _beta_fraction(1.0 - x, b, a) / b, density
+
+
+def _beta_fraction(x: float, a: float, b: float) -> float:
+    """The continued fraction of I_x(a, b), by the modified Lentz method."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    out = d
+    for m in range(1, 300):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1.0) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1.0)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            out *= c * d
+        if abs(c * d - 1.0) < 1e-12:
+            break
+    return out
 
 
 class _Rate:
@@ -19,11 +82,19 @@ class _Rate:
         self.prior, self.decay = prior, decay
         self.successes = prior * weight
         self.failures = (1.0 - prior) * weight
+        self._upper: tuple[float, float, float, float] | None = None  # (s, f, level) -> value
 
     @property
     def value(self) -> float:
         total = self.successes + self.failures
         return self.successes / total if total > 0 else self.prior
+
+    def upper(self, level: float) -> float:
+        """A rate the true one exceeds with probability only 1 - `level`, given the counts."""
+        key = (self.successes, self.failures, level)
+        if self._upper is None or self._upper[:3] != key:  # unchanged while drafting is off
+            self._upper = (*key, beta_quantile(*key))
+        return self._upper[3]
 
     def add(self, successes: float, failures: float) -> None:
         self.successes = self.decay * self.successes + successes
