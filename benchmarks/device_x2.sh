@@ -32,17 +32,21 @@ R=recipes/train/smollm2-135m
 
 data() {  # the shared training data, half the answers on each GPU (resumable; training waits for it)
   [ -e /tmp/data.done ] && return 0
+  local t=$(($(left) - 60)) pids=() gpu
+  [ "$t" -gt 30 ] || { echo "data: too little time left"; return 1; }
   for gpu in 0 1; do  # worker 0 writes the self prompts, worker 1 waits for them
-    CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 60)) python3 -P -m dspark_flow.cli.main train \
+    CUDA_VISIBLE_DEVICES=$gpu timeout $t python3 -P -m dspark_flow.cli.main train \
       "$R-dspark.yaml" --stage data --data-worker $gpu/2 --quiet --log-level info 2>&1 \
       | grep -vE "generation  " | cut -c1-260 >> $O/data-$gpu.log &
+    pids+=($!)
   done
-  wait
-  # Both shares on disk: this run checks them and marks the set complete (it generates nothing).
+  wait "${pids[@]}"
+  # Both shares on disk: this run checks them and marks the set complete (it generates nothing
+  # unless a share was cut short, which it then finishes itself).
   CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
     "$R-dspark.yaml" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
     | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch /tmp/data.done
-  tail -2 $O/data-0.log $O/data-1.log $O/data.log
+  tail -n 2 $O/data-0.log $O/data-1.log $O/data.log
 }
 
 train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or the time is up

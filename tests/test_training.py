@@ -404,6 +404,12 @@ def test_the_vocab_stage_counts_the_answer_tokens(embedded, tmp_path):
     assert (ids[:-1][tied] < ids[1:][tied]).all()  # ...ties by id
     assert summary["vocab"]["answer_tokens"] == len(answers)
     assert summary["vocab"]["distinct"] == len(ids)
+    # No drafter there: nothing claims to describe one. With one, its card gets the count.
+    assert not (tmp_path / "drafter" / "README.md").exists()
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    run_training(recipe, stages=("vocab",), progress=False)
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert f"among the {len(answers)} answer tokens ({len(ids)} distinct)" in card
 
 
 def test_the_embedded_target_resolves_to_its_shipped_drafter():

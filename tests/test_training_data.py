@@ -165,6 +165,8 @@ def test_changed_key_regenerates(embedded, built, monkeypatch):
 def test_data_workers_split_the_answers_and_the_last_completes_the_set(
     embedded, tmp_path, monkeypatch
 ):
+    from dspark_flow.cli.main import main
+
     model, tok = embedded
     monkeypatch.setattr(tdata, "CHUNK_PROMPTS", 2)  # 5 prompts in 3 chunks of batch 2
     recipe = _recipe(tmp_path, batch_size=2, cache_dir=str(tmp_path / "split"))
@@ -179,16 +181,72 @@ def test_data_workers_split_the_answers_and_the_last_completes_the_set(
         tdata.load_samples(cache)
     assert not json.loads((cache / "manifest.json").read_text())["complete"]
 
+    # Worker 1 from the command line: its one chunk (the self prompts are worker 0's), exit 0.
     calls.clear()
-    tdata.build_dataset(recipe, model, tok, progress=False, worker=tdata.DataWorker(1, 2))
-    assert calls == [2]  # its one chunk; the self prompts are worker 0's
-    assert json.loads((cache / "manifest.json").read_text())["complete"]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps(recipe.model_dump(mode="json")))
+    assert main(["train", str(path), "--stage", "data", "--data-worker", "1/2", "--quiet"]) == 0
+    assert calls == [2]
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"]
+    assert sorted(r["worker"] for r in manifest["shares"]) == ["0/2", "1/2"]
+    assert sum(r["generated_chunks"] for r in manifest["shares"]) == 3
     # Same prompts (same seeds), same greedy answers as one process makes.
     alone = _recipe(tmp_path, batch_size=2, cache_dir=str(tmp_path / "alone"))
     whole = tdata.load_samples(tdata.build_dataset(alone, model, tok, progress=False))
     assert sorted(s.tokens.tobytes() for s in tdata.load_samples(cache)) == sorted(
         s.tokens.tobytes() for s in whole
     )
+
+
+def test_other_workers_wait_for_worker_0s_self_prompts(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(tdata, "WORKER_POLL_SECONDS", 0.01)
+    path = tmp_path / tdata.SELF_PROMPTS
+    got: list[list[str]] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(
+            tdata._wait_for_self_prompts(path, "k", 3, tdata.DataWorker(1, 2))
+        ),
+        daemon=True,  # a failing test must not leave the run waiting on it
+    )
+    waiter.start()
+    rows = [{"prompt": f"p{i}", "batch": 0, "key": "k"} for i in range(2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    waiter.join(0.3)
+    assert waiter.is_alive()  # two of three: not yet
+    # Worker 0 declares two final (it fell short of the number asked): the waiter takes them.
+    (tmp_path / tdata.SELF_PROMPTS_DONE).write_text(json.dumps({"key": "k", "count": 2}))
+    waiter.join(5)
+    assert got == [["p0", "p1"]]
+
+    # A declaration under another key is not this data's; with no worker 0 the wait ends in one line.
+    (tmp_path / tdata.SELF_PROMPTS_DONE).write_text(json.dumps({"key": "other", "count": 2}))
+    monkeypatch.setattr(tdata, "WORKER_WAIT_SECONDS", 0.05)
+    with pytest.raises(DsparkFlowError, match="no self prompts from worker 0") as err:
+        tdata._wait_for_self_prompts(path, "k", 3, tdata.DataWorker(1, 2))
+    assert "\n" not in str(err.value)
+
+
+def test_free_only_data_keeps_its_cache_folder_and_key():
+    # Digests computed by the code before self_prompt_starts existed: caches made then are reused.
+    recipe = TrainRecipe.model_validate({"name": "pin", "data": {"self_prompts": 100}})
+    assert tdata.data_cache_dir(recipe).name == "5c45c9bb21b95dc6"
+    assert tdata._self_key(recipe) == (
+        "cb8b44f8e560a7b0005da19e0f9eb838f7de4643f89c3b9c3bf6820672a86cab"
+    )
+    both_free = {"self_prompts": 100, "self_prompt_starts": ["", ""]}
+    same = TrainRecipe.model_validate({"name": "pin", "data": both_free})
+    assert tdata.data_cache_dir(same) == tdata.data_cache_dir(recipe)
+    steered = {"self_prompts": 100, "self_prompt_starts": ["", "Write a Python function"]}
+    other = TrainRecipe.model_validate({"name": "pin", "data": steered})
+    assert tdata.data_cache_dir(other) != tdata.data_cache_dir(recipe)
+    assert tdata._self_key(other) != tdata._self_key(recipe)
+    with pytest.raises(Exception, match="ends in a space"):
+        TrainRecipe.model_validate(
+            {"name": "pin", "data": {"self_prompts": 1, "self_prompt_starts": ["Write a "]}}
+        )
 
 
 def test_data_worker_parse_errors():
@@ -209,6 +267,3 @@ def test_self_prompt_starts_begin_the_user_turns_in_turn(embedded, tmp_path):
     assert len(made) == 2
     assert not made[0].startswith(start) and made[1].startswith(start)
     assert len(made[1]) >= len(start) + tdata.MIN_SELF_PROMPT_CHARS
-    # The starts are part of the self prompts' key: free-only prompts are not reused for them.
-    free = _recipe(tmp_path, batch_size=1)
-    assert tdata._self_key(free) != tdata._self_key(recipe)

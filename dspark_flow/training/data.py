@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ DROP_FRACTION = 8  # drop finished rows from a batch once they are 1/8 of it
 _SENTINEL = "\u2063DSPARK-USER-TURN\u2063"
 MANIFEST = "manifest.json"
 SELF_PROMPTS = "self_prompts.jsonl"
+SELF_PROMPTS_DONE = "self_prompts.done.json"  # worker 0's word that its self prompts are final
 WORKER_POLL_SECONDS = 5.0
+WORKER_WAIT_SECONDS = 3600.0  # how long the other workers wait for worker 0's self prompts
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,16 @@ def data_cache_dir(recipe: TrainRecipe) -> Path:
 
     # Keyed by what shapes the data, not by recipe name: a DSpark and a DFlash recipe with the
     # same data section share one generated set.
-    spec = {"data": recipe.data.model_dump(), "target": _target_id(recipe)}
+    data = recipe.data.model_dump()
+    if not _steered(recipe):
+        del data["self_prompt_starts"]  # (the folder of free-only data keeps its old name)
+    spec = {"data": data, "target": _target_id(recipe)}
     return cache_root() / "train" / "data" / _digest(spec)[:16]
+
+
+def _steered(recipe: TrainRecipe) -> bool:
+    """Whether any self prompt starts with set text (else they are all free, as before starts)."""
+    return any(recipe.data.self_prompt_starts)
 
 
 def _digest(obj: Any) -> str:
@@ -153,7 +164,7 @@ def _self_key(recipe: TrainRecipe) -> str:
             "seed": d.seed,
             "batch_size": d.batch_size,
             # Free-only data keeps the key it had before starts existed (its cache stays valid).
-            **({"starts": d.self_prompt_starts} if d.self_prompt_starts != [""] else {}),
+            **({"starts": d.self_prompt_starts} if _steered(recipe) else {}),
         }
     )
 
@@ -182,7 +193,8 @@ def _batch_seed(*parts: int) -> int:
 
 
 def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # Per-process temporary name: data workers write the same manifest at about the same time.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
@@ -339,18 +351,37 @@ def _read_self_prompts(path: Path, key: str) -> list[dict[str, Any]]:
 
 def _wait_for_self_prompts(path: Path, key: str, want: int, worker: DataWorker) -> list[str]:
     """A worker other than the first uses the first one's self prompts, once it has made them
-    (generating them twice would waste the time the split is for, and could differ)."""
-    announced = False
+    (generating them twice would waste the time the split is for, and could differ): all it
+    asked for, or as many as worker 0 declared final (it may fall short of the number)."""
+    started = time.monotonic()
+    last_said = -math.inf
     while True:
         prompts = [r["prompt"] for r in _read_self_prompts(path, key)]
         if len(prompts) >= want:
             return prompts[:want]
-        if not announced:
+        done = _read_json(path.with_name(SELF_PROMPTS_DONE))
+        if done.get("key") == key and len(prompts) >= int(done.get("count", want)):
+            return prompts[: int(done["count"])]
+        waited = time.monotonic() - started
+        if waited > WORKER_WAIT_SECONDS:
+            raise DsparkFlowError(
+                f"data worker {worker}: no self prompts from worker 0 after {waited:.0f} s "
+                "(is worker 0 running on the same recipe?)"
+            )
+        if waited - last_said >= 60.0:
             log.info(
                 "waiting for data worker 0's self prompts", worker=str(worker), have=len(prompts)
             )
-            announced = True
+            last_said = waited
         time.sleep(WORKER_POLL_SECONDS)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _self_prompts(
@@ -417,6 +448,7 @@ def _self_prompts(
         bar.close()
     if len(prompts) < want:
         log.warning("fewer self prompts than asked", asked=want, made=len(prompts), sampled=tried)
+    _write_json(cache / SELF_PROMPTS_DONE, {"key": key, "count": len(prompts)})
     log.info(
         "self prompts",
         made=len(prompts),
@@ -463,7 +495,7 @@ def _shard_ok(path: Path, key: str) -> bool:
 
 
 def _clear(cache: Path) -> None:
-    for p in [*cache.glob("shard_*.npz"), *cache.glob("shard_*.npz.tmp"), cache / MANIFEST]:
+    for p in [*cache.glob("shard_*.npz"), *cache.glob("*.tmp"), cache / MANIFEST]:
         p.unlink(missing_ok=True)
 
 
@@ -589,10 +621,21 @@ def build_dataset(
         _write_atomic(cache / _shard_name(ci), lambda f, a=arrays: np.savez(f, **a))
     if bar is not None:
         bar.close()
+    if worker.count > 1:  # what this share cost, for the record of the call that completes the set
+        _write_json(
+            cache / f"share_{worker.index}_of_{worker.count}.json",
+            {
+                "key": key,
+                "worker": str(worker),
+                "seconds": round(time.perf_counter() - started, 1),
+                "generated_tokens": new_tokens,
+                "generated_chunks": len(todo),
+            },
+        )
     missing = [i for i in range(len(chunks)) if not _shard_ok(cache / _shard_name(i), key)]
     if missing:  # other workers' shares still being made
         log.info(
-            "data worker done; waiting for the other shares",
+            "data worker done; other shares still missing",
             worker=str(worker),
             generated_chunks=len(todo),
             chunks_missing=len(missing),
@@ -601,6 +644,8 @@ def build_dataset(
         )
         return cache
     manifest["complete"] = True
+    shares = [_read_json(f) for f in sorted(cache.glob("share_*_of_*.json"))]
+    manifest["shares"] = [r for r in shares if r.get("key") == key]
     _write_json(manifest_path, manifest)
 
     samples = load_samples(cache)
@@ -618,6 +663,11 @@ def build_dataset(
         seconds=round(time.perf_counter() - started, 2),
     )
     return cache
+
+
+def data_shares(cache_dir: Path) -> list[dict[str, Any]]:
+    """The data workers' records of a complete set they made (empty if one process made it)."""
+    return list(_read_json(Path(cache_dir) / MANIFEST).get("shares", []))
 
 
 def load_samples(cache_dir: Path) -> list[Sample]:

@@ -146,6 +146,16 @@ class DataSpec(_Strict):
     )
     seed: int = 0
 
+    @field_validator("self_prompt_starts")
+    @classmethod
+    def _starts_end_cleanly(cls, starts: list[str]) -> list[str]:
+        # A start ending in a space leaves the model to continue after a lone space token,
+        # which its tokenizer would never have produced there: out-of-distribution prompts.
+        for start in starts:
+            if start != start.rstrip(" \t"):
+                raise ValueError(f"self prompt start {start!r} ends in a space; drop it")
+        return starts
+
     @model_validator(mode="after")
     def _some_prompts(self) -> DataSpec:
         if not self.prompts and not self.self_prompts:

@@ -15,6 +15,7 @@ import platform
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,20 @@ def run_training(
     from dspark_flow.errors import DsparkFlowError
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import DataWorker, build_dataset, data_cache_dir, load_samples
+    from dspark_flow.training.data import (
+        DataWorker,
+        build_dataset,
+        data_cache_dir,
+        data_shares,
+        load_samples,
+    )
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
     from dspark_flow.training.export import size_mb
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
 
     t_start = time.perf_counter()
     worker = DataWorker.parse(data_worker) if data_worker else DataWorker()
-    if worker.count > 1 and tuple(stages) != ("data",):
+    if worker.count > 1 and set(stages) != {"data"}:
         raise DsparkFlowError("a data worker (I/N) runs the data stage only: add --stage data")
     summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
     target, tok = load(
@@ -99,7 +106,13 @@ def run_training(
         if "data" in stages or not complete_before:
             cache = build_dataset(recipe, target, tok, progress=progress, worker=worker)
             if worker.count > 1:  # a share: the whole set may not be there yet
-                return {**summary, "data_worker": str(worker), "cache": str(cache)}
+                summary["data"] = {
+                    "worker": str(worker),
+                    "cache": str(cache),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "device": summary["device"],
+                }
+                return summary
             samples = load_samples(cache)
         summary["data"] = {
             "samples": len(samples),
@@ -109,6 +122,8 @@ def run_training(
             "cache": str(cache),
             "device": summary["device"],
         }
+        if shares := data_shares(cache):  # made by data workers: their figures, not this call's
+            summary["data"]["shares"] = shares
         before = previous.get("data", {})
         same = before.get("cache") == str(cache) and before.get("samples") == len(samples)
         if complete_before and same:
@@ -201,16 +216,22 @@ def run_training(
                 )
                 print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
+    # A call that trains nothing (vocab, export, eval) adds to each record its own: the work
+    # dir's (a run perhaps still in progress) and the output's (the drafter shipped there).
+    own_running = {} if producing else _read_summary(running)
+    running_text = json.dumps({**(own_running or previous), **summary}, indent=2) + "\n"
     summary = {**previous, **summary}
     text = json.dumps(summary, indent=2) + "\n"
     try:
         running.parent.mkdir(parents=True, exist_ok=True)
-        running.write_text(text)
+        running.write_text(running_text)
     except OSError as exc:  # the summary is a record, not a result: never fail the run for it
         log.warning("could not write the running summary", path=str(running), error=str(exc))
     # The output's copy describes the drafter in it: only a call that exported or evaluated
     # it may rewrite it (a paused or data-only call must not relabel older weights).
-    if out.is_dir() and ("export" in stages or "eval" in stages):
+    # A vocab call records its count with the drafter it belongs to (when there is one).
+    recount = "vocab" in stages and (out / "config.json").is_file()
+    if out.is_dir() and ("export" in stages or "eval" in stages or recount):
         (out / SUMMARY).write_text(text)
         write_card(recipe, out)
     return summary
@@ -239,6 +260,18 @@ def _read_summary(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):  # none yet, or unreadable: start a fresh summary
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _starts_text(starts: list[str]) -> str:
+    """How the self-written user turns began, for the card ('' for free prompts only)."""
+    if starts == [""]:
+        return ""
+    counts = Counter(starts)
+    said = ", ".join(
+        (json.dumps(s).replace("`", "\\`") if s else "free") + (f" x{n}" if n > 1 else "")
+        for s, n in counts.items()
+    )  # (backticks escaped: the card is Markdown)
+    return f"; each batch's user turns begun in turn as: {said}"
 
 
 def write_card(recipe: TrainRecipe, out: Path) -> None:
@@ -272,7 +305,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         "## Data (self-distilled)",
         f"The target answered these prompts with its own chat template at temperature {d.temperature} "
         f"(at most {d.max_new_tokens} new tokens), plus {d.self_prompts} prompts it wrote itself (Magpie-style, "
-        f"temperature {d.self_prompt_temperature}):",
+        f"temperature {d.self_prompt_temperature}{_starts_text(d.self_prompt_starts)}):",
         files or "- (none)",
         "",
         f"Samples: {data.get('samples', '?')}, tokens: {data.get('tokens', '?')} (answers: {data.get('answer_tokens', '?')}).",
