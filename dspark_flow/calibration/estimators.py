@@ -9,8 +9,12 @@ differ in how well a drafter does on them.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 OPTIMISM = 1.0  # pseudo-rounds in the length estimate that continue past every n
+
+
+LARGE_COUNTS = 10_000.0  # above this many trials the Beta is normal to well within the noise
 
 
 def beta_quantile(successes: float, failures: float, level: float) -> float:
@@ -18,10 +22,16 @@ def beta_quantile(successes: float, failures: float, level: float) -> float:
     allow. The counts already hold the prior's pseudo-trials, so no further prior is added: with
     next to no successes left (a drafter that has not hit for a window) the quantile is near 0
     even on few trials, where a normal approximation would still allow a high rate."""
+    if not (math.isfinite(successes) and math.isfinite(failures)):
+        raise ValueError(f"beta_quantile: counts must be finite ({successes}, {failures})")
     if successes <= 0.0:
         return 0.0
     if failures <= 0.0:
         return 1.0
+    if successes + failures > LARGE_COUNTS:  # the continued fraction would need too many terms
+        mean = successes / (successes + failures)
+        sd = math.sqrt(mean * (1.0 - mean) / (successes + failures + 1.0))
+        return min(1.0, max(0.0, mean + NormalDist().inv_cdf(level) * sd))
     # Newton's method on the CDF, kept inside a shrinking bracket (bisecting where a step
     # would leave it): a few CDF evaluations, since `auto` may need this every round.
     lo, hi = 0.0, 1.0
