@@ -404,6 +404,7 @@ def _self_prompts(
         return prompts[:want]
     if worker.index > 0:
         return _wait_for_self_prompts(path, key, want, worker)
+    (cache / SELF_PROMPTS_DONE).unlink(missing_ok=True)  # making more: not final until said again
     batch = max((r["batch"] for r in records), default=-1) + 1
     user_turn = _user_turn_prefix(tokenizer, d.system)
     starts = [

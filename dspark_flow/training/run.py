@@ -264,7 +264,7 @@ def _read_summary(path: Path) -> dict[str, Any]:
 
 def _starts_text(starts: list[str]) -> str:
     """How the self-written user turns began, for the card ('' for free prompts only)."""
-    if starts == [""]:
+    if not any(starts):  # free prompts only, as before starts existed
         return ""
     counts = Counter(starts)
     said = ", ".join(
