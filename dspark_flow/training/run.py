@@ -70,6 +70,7 @@ def run_training(
         data_cache_dir,
         data_shares,
         load_samples,
+        read_json_object,
     )
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
     from dspark_flow.training.export import size_mb
@@ -90,10 +91,10 @@ def run_training(
     # paused by time limits) add to one summary: keep what earlier runs recorded. The work dir's
     # copy is written by every call; the output's only once the drafter is exported there.
     running = work_dir(recipe) / SUMMARY
-    shipped = _read_summary(out / SUMMARY)
+    shipped = read_json_object(out / SUMMARY)
     # Evaluating or exporting a drafter trained elsewhere: its own summary is the record.
     producing = "data" in stages or "train" in stages
-    previous = (_read_summary(running) or shipped) if producing else shipped
+    previous = (read_json_object(running) or shipped) if producing else shipped
     if producing:
         t0 = time.perf_counter()
         cache = data_cache_dir(recipe)
@@ -218,7 +219,7 @@ def run_training(
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     # A call that trains nothing (vocab, export, eval) adds to each record its own: the work
     # dir's (a run perhaps still in progress) and the output's (the drafter shipped there).
-    own_running = {} if producing else _read_summary(running)
+    own_running = {} if producing else read_json_object(running)
     running_text = json.dumps({**(own_running or previous), **summary}, indent=2) + "\n"
     summary = {**previous, **summary}
     text = json.dumps(summary, indent=2) + "\n"
@@ -252,14 +253,6 @@ def write_vocab(target: Any, samples: list[Any], dirs: tuple[Path, ...]) -> dict
     }
     log.info("draft vocabulary written", **record)
     return record
-
-
-def _read_summary(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: start a fresh summary
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _starts_text(starts: list[str]) -> str:
