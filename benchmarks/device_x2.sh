@@ -5,6 +5,11 @@
 # checkpoint before each call's limit (`dspark-flow train --time-limit`) and the next call
 # resumes it; the last call exports both drafters and benchmarks them against greedy.
 #
+# GPU1=sweeps: GPU 1 helps with the data, then runs issue 6's draft-cap sweeps with the CLI's
+# stack instead of training DFlash (first: probes and curves; more: DSpark and DFlash; last:
+# lookup), and `last` benchmarks the new DSpark drafter against the one it started from
+# (train.init_from, kept in out/drafters/smollm2-135m-dspark-base) and stock greedy.
+#
 # Stage as in train_device.sh, then, one call each:
 #   bash benchmarks/device_x2.sh first    (with the last staged part: after `source .stage/unstage.sh`)
 #   bash benchmarks/device_x2.sh more     (as often as the budget allows)
@@ -82,22 +87,68 @@ bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) agains
   grep -E "^\| (all|greedy|$1)" $O/bench-$1.md 2>/dev/null | head -8
 }
 
+base_drafter() {  # the DSpark recipe's warm start (train.init_from): the drafter shipped before this run
+  local base=out/drafters/smollm2-135m-dspark-base
+  [ -e $base/config.json ] || { mkdir -p out/drafters && cp -r dspark_flow/data/drafters/smollm2-135m-dspark $base; }
+}
+
+sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack, 128 tokens
+  local v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 4)
+  case $1 in
+    first)  # probe the kernels and calibrate the curves once (cached on the warm machine)
+      for d in dspark dflash lookup; do
+        CUDA_VISIBLE_DEVICES=1 timeout $(($(left) - 15)) python3 -P benchmarks/draft_caps.py \
+          --drafter $d --trials 0 --verifier "$v" --lookup-max-draft 15 --draft-vocab 8192 \
+          --out /tmp/dc-warm-$d >> $O/dc-warm.log 2>&1 || echo "warm-up $d cut short"
+      done ;;
+    more)
+      sweep dspark 2 $(( ($(left) - 20) / 2 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
+      sweep dflash 2 $(($(left) - 20)) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 ;;
+    last)
+      sweep lookup 2 $(($(left) - 20)) --ks 1-10 --verifier "$v" --lookup-max-draft 15 --per-category 3 --max-tokens 128 ;;
+  esac
+}
+
+bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew from, with stock greedy
+  local old=$PWD/out/drafters/smollm2-135m-dspark-base
+  for cap in "auto:{kind: auto}" "full:{kind: full_block}"; do
+    sed -e "s/^name: dspark/name: dspark-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
+      recipes/dspark.yaml > /tmp/dspark-${cap%%:*}.yaml
+  done
+  sed -e "s/^name: dspark-full/name: dspark-base-full/" -e "s|checkpoint: auto|checkpoint: $old|" \
+    /tmp/dspark-full.yaml > /tmp/dspark-base-full.yaml
+  CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
+    /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --prompts /tmp/heldout.jsonl \
+    --trials 2 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
+    > $O/bench-grown.log 2>&1 || echo "bench cut short"
+  cp /tmp/bench-grown/bench.md $O/bench-grown.md 2>/dev/null; cp /tmp/bench-grown/bench.json $O/bench-grown.json 2>/dev/null
+  grep -E "^\| \*\*all" $O/bench-grown.md 2>/dev/null
+}
+
 case "${1:-}" in
-  first|more)  # the data on both GPUs, then DSpark on GPU 0 and DFlash on GPU 1
+  first|more)  # the data on both GPUs, then DSpark on GPU 0 and DFlash (or the sweeps) on GPU 1
     [ "$1" = first ] && nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee $O/gpus.log
+    base_drafter
+    [ "${GPU1:-dflash}" = sweeps ] && python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 4
     data
     train dspark 0 &
-    train dflash 1 &
+    if [ "${GPU1:-dflash}" = sweeps ]; then sweeps "$1" & else train dflash 1 & fi
     wait
     ;;
   last)  # finish training, export, pack, then each drafter against greedy on its own GPU
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
-    for kind in dspark dflash; do
-      gpu=$([ $kind = dspark ] && echo 0 || echo 1)
-      (  # export runs only if training finished (a paused run skips it): never ship half a run
-        train $kind $gpu "${TRAIN_S:-150}" "--stage train --stage export" && bench $kind $gpu
-      ) &
-    done
+    base_drafter
+    if [ "${GPU1:-dflash}" = sweeps ]; then
+      ( train dspark 0 "${TRAIN_S:-150}" "--stage train --stage export" && bench_grown ) &
+      sweeps last &
+    else
+      for kind in dspark dflash; do
+        gpu=$([ $kind = dspark ] && echo 0 || echo 1)
+        (  # export runs only if training finished (a paused run skips it): never ship half a run
+          train $kind $gpu "${TRAIN_S:-150}" "--stage train --stage export" && bench $kind $gpu
+        ) &
+      done
+    fi
     wait
     fresh=()  # pack only drafters exported by this call (a paused run exports nothing)
     for name in smollm2-135m-dspark smollm2-135m-dflash; do

@@ -60,6 +60,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="lookup, or the shipped trained drafter of that kind (builtin:smollm2-135m-KIND)",
     )
     p.add_argument("--weights", default="auto")
+    p.add_argument(
+        "--verifier",
+        default=None,
+        help="every pipeline's verifier section (YAML), e.g. '{kind: kernels, invariant: true}', "
+        "the CLI's default stack (default: the library's reference verifier)",
+    )
+    p.add_argument(
+        "--draft-vocab", type=int, default=None, help="trained drafters: drafter.draft_vocab"
+    )
+    p.add_argument(
+        "--lookup-max-draft",
+        type=int,
+        default=LOOKUP["max_draft"],
+        help="lookup's longest draft (15 keeps an invariant verifier's forwards within 16 rows)",
+    )
     p.add_argument("--out", default="out/draft_caps")
     p.add_argument(
         "--time-budget",
@@ -164,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     # time is reported apart.
     t0 = time.perf_counter()
     if args.drafter == "lookup":
-        section: dict[str, Any] = LOOKUP
-        probe: Any = LookupDrafter(LookupConfig(**LOOKUP))
+        section: dict[str, Any] = {**LOOKUP, "max_draft": args.lookup_max_draft}
+        probe: Any = LookupDrafter(LookupConfig(**section))
     else:
         from dspark_flow.api import load_drafter
 
         section = {"kind": args.drafter, "checkpoint": f"builtin:smollm2-135m-{args.drafter}"}
         probe = load_drafter(section["checkpoint"], model, kind=args.drafter)
+        if args.draft_vocab:
+            section["draft_vocab"] = args.draft_vocab
     curves, cache_path, measured = obtain_curves(
         model,
         probe,
@@ -195,12 +212,24 @@ def main(argv: list[str] | None = None) -> int:
         recipes[f"fixed k={k}"] = {"drafter": section, "draft_cap": {"kind": "fixed", "k": k}}
     recipes["calibrated"] = {"drafter": section, "draft_cap": {"kind": "calibrated"}}
     recipes["auto"] = {"drafter": section, "draft_cap": {"kind": "auto"}}
+    if args.verifier:
+        import yaml
+
+        verifier = yaml.safe_load(args.verifier)
+        recipes = {name: {**r, "verifier": verifier} for name, r in recipes.items()}
     pipes = {
         name: Pipeline.from_dict({**r, "target": target, "stop": stops}, target=(model, tok))
         for name, r in recipes.items()
     }
     for pipe in pipes.values():
         pipe.warm_up()
+    if args.verifier or args.draft_vocab:
+        # The caps calibrated through the recipe's verifier and drafter (another cache key):
+        # those are the curves the modelled and replayed views must charge.
+        curves = pipes["auto"].draft_cap.curves
+        plot_curves(
+            curves, out / "verify_cost.png", f"{target_ref} ({args.weights}), {args.verifier}"
+        )
     names = list(pipes)
     prompts = pick_prompts(args.per_category, args.prompts)
 

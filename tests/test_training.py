@@ -30,8 +30,8 @@ from tests.conftest import cli_env
 PROMPTS = ["What is 12 times 7?", "Write a Python function that reverses a string."]
 
 
-def small_recipe(kind: str = "dspark", **train: object) -> TrainRecipe:
-    arch = dict(kind=kind, block_size=4, num_layers=1, intermediate_size=64)
+def small_recipe(kind: str = "dspark", layers: int = 1, **train: object) -> TrainRecipe:
+    arch = dict(kind=kind, block_size=4, num_layers=layers, intermediate_size=64)
     arch["target_layer_ids"] = [1, 15, 29]
     if kind == "dspark":
         arch.update(markov_rank=8, confidence_head=True)
@@ -221,6 +221,81 @@ def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
     )
     with pytest.raises(Exception, match="different version of recipe"):
         other.warm_up(model, tok).resume()
+
+
+def _hidden(trainer: DrafterTrainer, samples: list[Sample]) -> mx.array:
+    batch = trainer.batch(samples, 0)
+    feats, _ = trainer._target_pass(mx.array(batch.tokens), mx.array(batch.aligned))
+    return block_hidden(
+        trainer.model,
+        feats,
+        trainer._embed(mx.array(batch.block_ids)),
+        mx.array(batch.block_pos),
+        mx.array(batch.mask),
+    )
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_a_warm_start_adds_layers_and_begins_where_the_source_ends(
+    embedded, samples, tmp_path, kind
+):
+    """init_from a 1-layer drafter into a 2-layer recipe: the first layer is the source's, the
+    added one starts as identity, so step 0 computes what the source computes; a quantized
+    source loads dequantized and training goes on from it."""
+    model, tok = embedded
+    source = DrafterTrainer(
+        small_recipe(kind, compile=False), progress=False, checkpoints=tmp_path / "a"
+    ).warm_up(model, tok)
+    mx.random.seed(5)
+    source.model.update(
+        tree_map(lambda p: 0.05 * mx.random.normal(p.shape), source.model.trainable_parameters())
+    )
+    exported = source.export(tmp_path / "float", quantize=None, dtype="float32")
+    grown = DrafterTrainer(
+        small_recipe(kind, layers=2, compile=False, init_from=str(exported)),
+        progress=False,
+        checkpoints=tmp_path / "b",
+    ).warm_up(model, tok)
+    assert grown.started_from["layers"] == 1 and grown.started_from["added_layers"] == 1
+    want, got = _hidden(source, samples), _hidden(grown, samples)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+
+    quantized = source.export(tmp_path / "q4")  # the recipe's default: 4-bit, group 32
+    again = DrafterTrainer(
+        small_recipe(kind, layers=2, steps=2, init_from=str(quantized)),
+        progress=False,
+        checkpoints=tmp_path / "c",
+    ).warm_up(model, tok)
+    stored = mx.load(str(quantized / "model.safetensors"))
+    name = "layers.0.mlp.up_proj"
+    want = mx.dequantize(*(stored[f"{name}.{k}"] for k in ("weight", "scales", "biases")), 32, 4)
+    assert mx.array_equal(again.model.layers[0].mlp.up_proj.weight, want).item()
+    assert again.started_from["weights_sha256"] != grown.started_from["weights_sha256"]
+    assert np.isfinite(again.train(samples).last["loss"])
+
+
+def test_a_warm_start_that_cannot_fit_fails_in_one_line(embedded, tmp_path):
+    model, tok = embedded
+    two = DrafterTrainer(small_recipe("dspark", layers=2), progress=False, checkpoints=tmp_path)
+    src = two.warm_up(model, tok).export(tmp_path / "two", quantize=None)
+    cases = [
+        (small_recipe("dflash", layers=2, init_from=str(src)), "is a deepspec drafter"),
+        (small_recipe("dspark", layers=1, init_from=str(src)), "layers can be added, not dropped"),
+    ]
+    other_taps = small_recipe("dspark", layers=2, init_from=str(src))
+    other_taps.drafter.target_layer_ids = [1, 16, 29]
+    cases.append((other_taps, "target_layer_ids"))
+    for recipe, message in cases:
+        trainer = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "x")
+        with pytest.raises(DsparkFlowError, match=message) as info:
+            trainer.warm_up(model, tok)
+        assert "\n" not in str(info.value)
+    with pytest.raises(RecipeError, match="train.init_from: no drafter"):
+        loads_train_recipe(
+            "name: w\ndrafter: {kind: dspark}\ndata: {self_prompts: 4}\n"
+            "train: {init_from: nowhere}\n",
+            base=tmp_path,
+        )
 
 
 def test_quantized_export_loads_and_stays_lossless(embedded, samples, tmp_path):

@@ -192,6 +192,11 @@ class TrainSpec(_Strict):
     log_every: int = Field(10, ge=1)
     seed: int = 0
     compile: bool = Field(True, description="mx.compile the step (off: easier debugging)")
+    init_from: str | None = Field(
+        None,
+        description="a drafter directory (published layout, same kind, taps and block) to start "
+        "from; the recipe may add layers after the source's (they start as identity)",
+    )
 
 
 class EvalSpec(_Strict):
@@ -258,9 +263,12 @@ def _resolve_paths(recipe: TrainRecipe, base: Path) -> None:
         recipe.output = resolved(recipe.output)
     if recipe.data.cache_dir:
         recipe.data.cache_dir = resolved(recipe.data.cache_dir)
+    if recipe.train.init_from:
+        recipe.train.init_from = resolved(recipe.train.init_from)
 
 
-def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
+def check_input_files(recipe: TrainRecipe, source: str) -> None:
+    """Every file the recipe reads exists (prompt files, the warm start's drafter config)."""
     missing = [
         f"{source} data.prompts[{i}].path: prompt file not found: {p.path}"
         for i, p in enumerate(recipe.data.prompts)
@@ -270,6 +278,9 @@ def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
         for i, p in enumerate(recipe.eval.prompts)
         if not Path(p.path).is_file()
     ]
+    start = recipe.train.init_from
+    if start and not (Path(start) / "config.json").is_file():
+        missing.append(f"{source} train.init_from: no drafter (config.json) in {start}")
     if missing:
         raise RecipeError(missing)
 
@@ -294,7 +305,7 @@ def loads_train_recipe(
     except ValidationError as exc:
         raise RecipeError(_pydantic_problems(exc, where, ())) from None
     _resolve_paths(recipe, base or Path.cwd())
-    check_prompt_files(recipe, source)
+    check_input_files(recipe, source)
     return recipe
 
 

@@ -152,6 +152,8 @@ def run_training(
             "device": summary["device"],
             "command": command,
         }
+        if trainer.started_from:
+            summary["train"]["init_from"] = trainer.started_from
         # Training spread over calls (time limits, preemption): add this call to the earlier
         # ones; a call with nothing left to train leaves their record as it is.
         before = previous.get("train", {})
@@ -267,6 +269,21 @@ def _starts_text(starts: list[str]) -> str:
     return f"; each batch's user turns begun in turn as: {said}"
 
 
+def _lineage(start: dict[str, Any] | None) -> list[str]:
+    """Card lines for a warm start: where training began, down to the first drafter."""
+    lines = []
+    while start:
+        added = start.get("added_layers") or 0
+        lines.append(
+            f"Started from `{Path(start.get('path', '?')).name}` (weights sha256 "
+            f"{start.get('weights_sha256', '?')}: {start.get('layers', '?')} layers, "
+            f"{start.get('steps', '?')} steps of recipe {start.get('recipe') or '?'})"
+            + (f", {added} layers added (starting as identity)." if added else ".")
+        )
+        start = start.get("init_from")
+    return ["", *lines] if lines else []
+
+
 def write_card(recipe: TrainRecipe, out: Path) -> None:
     """The model card (README.md) from out/train_summary.json: what was trained, on what, how
     long, and what it reaches."""
@@ -307,6 +324,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         f"{train.get('steps', '?')} steps of {recipe.train.batch_size} sequences x {recipe.train.anchors_per_seq} blocks "
         f"(sequence length {recipe.train.seq_len}), AdamW lr {recipe.train.lr} (warmup {recipe.train.warmup_steps}, cosine "
         f"to {recipe.train.min_lr_ratio}x), clip {recipe.train.grad_clip}; {train.get('seconds', '?')} s on {train.get('device', '?')}.",
+        *_lineage(train.get("init_from")),
         "",
         "## Acceptance (greedy, full block, held-out prompts, the product's own loop)",
         "",

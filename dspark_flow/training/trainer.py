@@ -129,6 +129,14 @@ class DrafterTrainer:
         self.head = target_lm_head(target)
         self.embedding = target_embedding(target)
         self.model = self._build_drafter(dims)
+        self.started_from: dict[str, Any] | None = None
+        if r.train.init_from:
+            from dspark_flow.training.warm_start import start_from
+
+            self.started_from = start_from(
+                self.model, Path(r.train.init_from), r, mask_id, self.compute_dtype
+            )
+            log.info("warm start", **self.started_from)
         self.optimizer = self._build_optimizer()
         self._step_fn = self._make_step()
         return self
