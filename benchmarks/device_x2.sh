@@ -68,7 +68,7 @@ train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or t
 sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1
   local d=$1 trials=$2 secs=$3; shift 3
   CUDA_VISIBLE_DEVICES=1 timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
-    --trials "$trials" --time-budget $((secs - 90)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
+    --trials "$trials" --warmup-trials "${WARMUP_TRIALS:-1}" --time-budget $((secs - 90)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
     || echo "sweep $d cut short"
   cp "/tmp/dc-$d/results.json" $O/dc-$d.json 2>/dev/null
   tail -2 $O/dc-$d.log
@@ -80,7 +80,7 @@ bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) agains
       recipes/$1.yaml > /tmp/$1-${cap%%:*}.yaml
   done
   CUDA_VISIBLE_DEVICES=$2 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
-    /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --max-tokens 128 \
+    /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --warmup-trials 1 --max-tokens 128 \
     --no-mlx-lm --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
     > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
   cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
@@ -119,7 +119,7 @@ bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew
     /tmp/dspark-full.yaml > /tmp/dspark-base-full.yaml
   CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
     /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --prompts /tmp/heldout.jsonl \
-    --trials 2 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
+    --trials 2 --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
     > $O/bench-grown.log 2>&1 || echo "bench cut short"
   cp /tmp/bench-grown/bench.md $O/bench-grown.md 2>/dev/null; cp /tmp/bench-grown/bench.json $O/bench-grown.json 2>/dev/null
   grep -E "^\| \*\*all" $O/bench-grown.md 2>/dev/null
@@ -171,7 +171,7 @@ case "${1:-}" in
       w=$([ $gpu = 0 ] && echo native || echo bfloat16)
       CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
         /tmp/dspark-auto.yaml /tmp/dspark-k2.yaml /tmp/dspark-full.yaml --prompts /tmp/heldout.jsonl \
-        --trials 3 --max-tokens 128 --no-mlx-lm --no-verify-cost --no-plots --quiet \
+        --trials 3 --warmup-trials 1 --max-tokens 128 --no-mlx-lm --no-verify-cost --no-plots --quiet \
         --set target.weights=$w --out /tmp/bench-caps-$w > $O/bench-caps-$w.log 2>&1 &
     done
     wait

@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3, help="0: only calibrate and replay")
+    p.add_argument(
+        "--warmup-trials",
+        type=int,
+        default=0,
+        help="unrecorded passes over every prompt and strategy first (GPUs compile per new shape)",
+    )
     p.add_argument("--ks", default="1-16", help="fixed k values: '1-16' or '1,2,4,8'")
     p.add_argument("--model", default=None, help="target (default: the embedded model)")
     p.add_argument(
@@ -299,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps(result, indent=1))
         return header + "\n" + table
 
+    for _ in range(args.warmup_trials):
+        for _cat, text in prompts:
+            for name in names:
+                pipes[name].generate(text, max_new_tokens=args.max_tokens)
+        print(f"warm-up pass done at {time.time() - started:.0f}s", flush=True)
     trials_done = 0
     t_trials = time.time()
     for trial in range(args.trials):

@@ -231,6 +231,32 @@ def test_report_schema_through_cli(tmp_path, capsys):
     assert "| lookup |" in captured.out or "lookup" in captured.out
 
 
+def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatch):
+    from dspark_flow.bench import runner
+
+    calls: list[int] = []
+    real = runner.measure
+
+    def counted(mode, group, ids, max_tokens):  # noqa: ANN001
+        calls.append(max_tokens)
+        return real(mode, group, ids, max_tokens)
+
+    monkeypatch.setattr(runner, "measure", counted)
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("Repeat this: the cat sat on the mat.\nSay hello.\n")
+    out = tmp_path / "out"
+    argv = ["bench", str(RECIPES / "lookup.yaml"), "--prompts", str(prompts), "--trials", "1"]
+    argv += ["--warmup-trials", "1", "--max-tokens", "6", "--no-verify-cost", "--no-plots"]
+    assert main([*argv, "--no-mlx-lm", "--out", str(out), "--quiet"]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    modes = 2  # greedy, lookup
+    assert len(data["runs"]) == 2 * modes  # the warm-up pass is not recorded ...
+    # ... but ran: one short warm-up per mode, a full pass, then the trial.
+    assert len(calls) == modes + 2 * modes * 2
+    assert data["meta"]["config"]["warmup_trials"] == 1
+    assert "--warmup-trials 1" in data["meta"]["command"]
+
+
 @pytest.mark.slow
 def test_equality_check_catches_a_broken_verifier(embedded, tmp_path):
     """A sampler whose verify accepts every draft, fed junk drafts: output differs from greedy and

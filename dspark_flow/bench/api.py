@@ -64,6 +64,8 @@ def bench(
     cfg = config or BenchConfig()
     if cfg.trials < 1 or cfg.max_tokens < 1:
         raise DsparkFlowError("trials and max tokens must be at least 1")
+    if cfg.warmup_trials < 0:
+        raise DsparkFlowError("warm-up trials cannot be negative")
     if limit is not None and limit < 1:
         raise DsparkFlowError("--limit must be at least 1")
     if not recipes:
@@ -99,6 +101,7 @@ def bench(
     }
     data["meta"]["config"] = {
         "trials": cfg.trials,
+        "warmup_trials": cfg.warmup_trials,
         "max_tokens": cfg.max_tokens,
         "prompts": len(items),
         "modes": [f"{m.name} ({g.label})" for g in groups for m in g.modes],

@@ -22,6 +22,7 @@ WARMUP_TOKENS = 16
 @dataclass
 class BenchConfig:
     trials: int = 3
+    warmup_trials: int = 0  # whole unrecorded passes first (first-use compilation on GPUs)
     max_tokens: int = 128
     warmup_tokens: int = WARMUP_TOKENS
     verify_cost: bool = True
@@ -229,6 +230,12 @@ def run_bench(
             mode, group, ids[(group.label, prompts[0].id)], min(cfg.warmup_tokens, cfg.max_tokens)
         )
         say(f"warmed up {mode.name} on {group.label}")
+
+    for _ in range(cfg.warmup_trials):  # the trials' own shapes, once, unrecorded
+        for prompt in prompts:
+            for group, mode in pairs:
+                measure(mode, group, ids[(group.label, prompt.id)], cfg.max_tokens)
+        say("warm-up pass done")
 
     runs: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []

@@ -25,6 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trials", type=int, default=3, help="runs per prompt and mode (default 3)")
     p.add_argument(
+        "--warmup-trials",
+        type=int,
+        default=0,
+        metavar="N",
+        help="whole passes over the prompts and modes before the trials, not recorded (GPUs "
+        "compile kernels per new shape on first use; default 0)",
+    )
+    p.add_argument(
         "--max-tokens", type=int, default=128, help="tokens per generation (default 128)"
     )
     p.add_argument(
@@ -71,6 +79,8 @@ def _command(args: argparse.Namespace) -> str:
     for o in args.overrides:
         parts += ["--set", o]
     parts += ["--trials", str(args.trials), "--max-tokens", str(args.max_tokens)]
+    if args.warmup_trials:
+        parts += ["--warmup-trials", str(args.warmup_trials)]
     if args.limit is not None:
         parts += ["--limit", str(args.limit)]
     if args.verify_repeats != 5:
@@ -106,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             raise DsparkFlowError("name at least one recipe (or --from-json FILE)")
         cfg = BenchConfig(
             trials=args.trials,
+            warmup_trials=args.warmup_trials,
             max_tokens=args.max_tokens,
             verify_cost=not args.no_verify_cost,
             verify_repeats=max(1, args.verify_repeats),
