@@ -277,6 +277,35 @@ def test_kernels_verifier_routes_only_enabled_shapes(monkeypatch, tiny_quantized
     assert type(layer) is nn.QuantizedLinear
 
 
+def test_warm_up_compiles_every_routed_row_count(monkeypatch, tiny_quantized):
+    """With the verdicts cached no probe runs the kernels, so warm-up runs each row count once
+    (GPUs compile a shape on first use); only the routed counts reach the kernel."""
+
+    def timer(kernel, twin, inputs, **_):  # the kernel "wins" for up to 4 rows only
+        return (1.0, 2.0) if inputs[0].shape[0] <= 4 else (2.0, 1.0)
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    used: list[int] = []
+
+    def kernel(*a):
+        used.append(a[0].size // a[0].shape[-1])
+        return q.qmm_small_m_emulated(*a)
+
+    recipe = _recipe({"kind": "lookup"}, limit=12)
+    first = KernelVerifier(KernelsConfig(precompile=False), kernel=kernel)
+    Pipeline.from_dict(recipe, target=tiny_quantized, verifier=first).warm_up()
+    first.restore()
+    used.clear()
+    quiet = KernelVerifier(KernelsConfig(precompile=False), kernel=kernel)
+    Pipeline.from_dict(recipe, target=tiny_quantized, verifier=quiet).warm_up()
+    assert not used  # the verdicts were cached: nothing ran the kernel
+    quiet.restore()
+    second = KernelVerifier(KernelsConfig(), kernel=kernel)
+    Pipeline.from_dict(recipe, target=tiny_quantized, verifier=second).warm_up()
+    second.restore()
+    assert sorted(set(used)) == [1, 2, 3, 4]
+
+
 @cpu_only
 def test_kernels_verifier_refuses_a_wrong_kernel(tiny_quantized):
     model, _ = tiny_quantized

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -66,6 +67,12 @@ class KernelsConfig(StrategyConfig):
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
+    precompile: bool = Field(
+        True,
+        description="where kernels are routed, run one throwaway forward per row count "
+        "1..max_rows at warm-up, so first-use compilation (GPUs) happens there and not in "
+        "the first requests",
+    )
 
 
 def _quant_args(module: nn.Module) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -391,6 +398,8 @@ class KernelVerifier(Verifier):
         self._swapped = keep
         if router.routes or router.attention is not None:
             self._router = router
+            if cfg.precompile:
+                self._compile_row_counts(ctx.model)
             rows_on = sorted(
                 {r for rt in router.routes.values() for r in range(17) if rt.rows_mask >> r & 1}
             )
@@ -467,6 +476,24 @@ class KernelVerifier(Verifier):
     def attention_calls(self) -> int:
         """Attention calls that went through the kernel so far."""
         return self._router.attention_calls if self._router is not None else 0
+
+    def _compile_row_counts(self, model: nn.Module) -> None:
+        """One forward of each row count 1..max_rows on a throwaway cache. On MLX's CUDA
+        backend the first use of a verify shape compiles kernels (the kernels' row buckets,
+        MLX's own ops): measured there as first runs up to 56x slower than later ones
+        (benchmarks §3), a cost the first requests would otherwise pay. The probes' cached
+        verdicts skip the compiling probe runs, so nothing else warms these shapes."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        for rows in range(1, self._max_rows + 1):
+            mx.eval(self.forward(model, [1] * rows, cache))
+        router = self._router
+        if router is not None:  # the counters report decoding, not this
+            router.calls = router.attention_calls = 0
+        log.info("kernels verifier: verify shapes compiled", rows=self._max_rows,
+                 seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
 
     # -- forward ---------------------------------------------------------------------------
 
