@@ -5,6 +5,9 @@
 # checkpoint before each call's limit (`dspark-flow train --time-limit`) and the next call
 # resumes it; the last call exports both drafters and benchmarks them against greedy.
 #
+# The DSpark and DFlash recipes no longer share a data section (DSpark's has 40,000 self
+# prompts since 2026-11-30): in the default mode GPU 1's `train dflash` makes DFlash's own set
+# on one GPU first.
 # GPU1=sweeps: GPU 1 helps with the data, then runs issue 6's draft-cap sweeps with the CLI's
 # stack instead of training DFlash (first: probes and curves; more: DSpark and DFlash; last:
 # lookup), and `last` benchmarks the new DSpark drafter against the one it started from
@@ -14,7 +17,9 @@
 #   bash benchmarks/device_x2.sh first    (with the last staged part: after `source .stage/unstage.sh`)
 #   bash benchmarks/device_x2.sh more     (as often as the budget allows)
 #   bash benchmarks/device_x2.sh last
-# Each call stays under CALL_S seconds (default 560) and leaves logs, tables and the
+# Each call stays under CALL_S seconds (default 560) from the script's start: a call that
+# unstages first (`first`) spends ~40 s before that, so give it CALL_S=540 or less (575 ran
+# past the device's 600 s limit on 2026-11-30 and returned no files) and leaves logs, tables and the
 # exported drafters (drafters.tar.part_*, see train_device.sh) in $OUT. Data and checkpoints
 # live on the warm machine only: if it was given back between calls, `more`/`last` say so and
 # stop; stage again and start with `first`. (Run on 2026-11-29 in the version before the
@@ -32,12 +37,13 @@ START=$(date +%s)
 touch /tmp/call_start
 O=/tmp/o && mkdir -p $O  # logs and tables; packed into $OUT/results.tgz at the end of each call
 left() { local n=$((CALL_S - ($(date +%s) - START))); echo $((n > 1 ? n : 1)); }
+upto() { local n=$(( $(left) - $1 )); echo $((n > 1 ? n : 1)); }  # seconds left minus a margin, >= 1 (timeout 0 never ends)
 dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
 
 data() {  # the shared training data, half the answers on each GPU (resumable; training waits for it)
   [ -e /tmp/data.done ] && return 0
-  local t=$(($(left) - 60)) pids=() gpu
+  local t=$(upto 60) pids=() gpu
   [ "$t" -gt 30 ] || { echo "data: too little time left"; return 1; }
   for gpu in 0 1; do  # worker 0 writes the self prompts, worker 1 waits for them
     CUDA_VISIBLE_DEVICES=$gpu timeout $t python3 -P -m dspark_flow.cli.main train \
@@ -48,27 +54,29 @@ data() {  # the shared training data, half the answers on each GPU (resumable; t
   wait "${pids[@]}"
   # Both shares on disk: this run checks them and marks the set complete (it generates nothing
   # unless a share was cut short, which it then finishes itself).
-  CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 20)) python3 -P -m dspark_flow.cli.main train \
+  CUDA_VISIBLE_DEVICES=0 timeout $(upto 20) python3 -P -m dspark_flow.cli.main train \
     "$R-dspark.yaml" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
     | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch /tmp/data.done
   tail -n 2 $O/data-0.log $O/data-1.log $O/data.log
 }
 
 train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or the time is up
-  local kind=$1 gpu=$2 secs=${3:-$(($(left) - 45))} stages=${4:---stage train}
+  local kind=$1 gpu=$2 secs=${3:-$(upto 45)} stages=${4:---stage train}
   [ -e /tmp/data.done ] || { echo "$kind: no complete training data here (a bare machine?)"; return 1; }
   [ "$secs" -gt 60 ] || { echo "$kind: too little time left to train"; return 1; }
   # --time-limit is checked between steps; timeout is the backstop (a fresh process first
   # spends minutes compiling CUDA kernels) so the call still returns its files.
-  CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 10)) python3 -P -m dspark_flow.cli.main train \
+  CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 10) python3 -P -m dspark_flow.cli.main train \
     "$R-$kind.yaml" $stages --quiet --log-level info --time-limit "$secs" 2>&1 | grep -vE "generation  " | cut -c1-260 >> $O/train-$kind.log
-  echo "$kind: $(grep -E "trained|paused|error" $O/train-$kind.log | tail -1)"
+  local last; last=$(grep -E "trained|paused|rror" $O/train-$kind.log | tail -1)
+  echo "$kind: $last"
+  [[ "$last" == *trained* ]]  # fails when paused or broken, so `train ... && bench` benches only a finished drafter
 }
 
 sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1
   local d=$1 trials=$2 secs=$3; shift 3
   CUDA_VISIBLE_DEVICES=1 timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
-    --trials "$trials" --warmup-trials "${WARMUP_TRIALS:-1}" --time-budget $((secs - 90)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
+    --trials "$trials" --warmup-trials "${WARMUP_TRIALS:-1}" --time-budget $((secs > 120 ? secs - 90 : 30)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
     || echo "sweep $d cut short"
   cp "/tmp/dc-$d/results.json" $O/dc-$d.json 2>/dev/null
   tail -2 $O/dc-$d.log
@@ -79,7 +87,7 @@ bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) agains
     sed -e "s/^name: $1/name: $1-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
       recipes/$1.yaml > /tmp/$1-${cap%%:*}.yaml
   done
-  CUDA_VISIBLE_DEVICES=$2 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
+  CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --warmup-trials 1 --max-tokens 128 \
     --no-mlx-lm --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
     > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
@@ -87,9 +95,14 @@ bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) agains
   grep -E "^\| (all|greedy|$1)" $O/bench-$1.md 2>/dev/null | head -8
 }
 
-base_drafter() {  # the DSpark recipe's warm start (train.init_from): the drafter shipped before this run
+base_drafter() {  # the DSpark recipe's warm start (train.init_from): stage 1's 3-layer drafter
+  # It shipped until 2026-11-30 (git show d4e706c:dspark_flow/data/drafters/smollm2-135m-dspark/...);
+  # the 2026-11-30 08:00 run copied it from the tree. Since then the tree holds the 5-layer
+  # drafter, which must not become its own base: bring stage 1 along (or train it with
+  # smollm2-135m-dspark-base.yaml) into out/drafters/smollm2-135m-dspark-base.
   local base=out/drafters/smollm2-135m-dspark-base
-  [ -e $base/config.json ] || { mkdir -p out/drafters && cp -r dspark_flow/data/drafters/smollm2-135m-dspark $base; }
+  grep -q '"num_hidden_layers": 3' $base/config.json 2>/dev/null && return 0
+  echo "no 3-layer stage-1 drafter in $base (see base_drafter in $0)"; return 1
 }
 
 sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack, 128 tokens
@@ -97,15 +110,15 @@ sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack
   case $1 in
     first)  # probe the kernels and calibrate the curves once (cached on the warm machine)
       for d in dspark dflash lookup; do
-        CUDA_VISIBLE_DEVICES=1 timeout $(($(left) - 15)) python3 -P benchmarks/draft_caps.py \
+        CUDA_VISIBLE_DEVICES=1 timeout $(upto 15) python3 -P benchmarks/draft_caps.py \
           --drafter $d --trials 0 --verifier "$v" --lookup-max-draft 15 --draft-vocab 8192 \
           --out /tmp/dc-warm-$d >> $O/dc-warm.log 2>&1 || echo "warm-up $d cut short"
       done ;;
     more)
-      sweep dspark 2 $(( ($(left) - 20) / 2 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
-      sweep dflash 2 $(($(left) - 20)) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 ;;
+      sweep dspark 2 $(( $(upto 20) / 2 + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
+      sweep dflash 2 $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 ;;
     last)
-      sweep lookup 2 $(($(left) - 20)) --ks 1-10 --verifier "$v" --lookup-max-draft 15 --per-category 3 --max-tokens 128 ;;
+      sweep lookup 2 $(upto 20) --ks 1-10 --verifier "$v" --lookup-max-draft 15 --per-category 3 --max-tokens 128 ;;
   esac
 }
 
@@ -117,7 +130,7 @@ bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew
   done
   sed -e "s/^name: dspark-full/name: dspark-base-full/" -e "s|checkpoint: auto|checkpoint: $old|" \
     /tmp/dspark-full.yaml > /tmp/dspark-base-full.yaml
-  CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
+  CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --prompts /tmp/heldout.jsonl \
     --trials 2 --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
     > $O/bench-grown.log 2>&1 || echo "bench cut short"
@@ -128,7 +141,7 @@ bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew
 case "${1:-}" in
   first|more)  # the data on both GPUs, then DSpark on GPU 0 and DFlash (or the sweeps) on GPU 1
     [ "$1" = first ] && nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee $O/gpus.log
-    base_drafter
+    base_drafter || exit 1
     [ "${GPU1:-dflash}" = sweeps ] && python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 4
     data
     train dspark 0 &
@@ -137,7 +150,7 @@ case "${1:-}" in
     ;;
   last)  # finish training, export, pack, then each drafter against greedy on its own GPU
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
-    base_drafter
+    base_drafter || exit 1
     if [ "${GPU1:-dflash}" = sweeps ]; then
       ( train dspark 0 "${TRAIN_S:-150}" "--stage train --stage export" && bench_grown ) &
       sweeps last &
@@ -169,7 +182,7 @@ case "${1:-}" in
     done
     for gpu in 0 1; do
       w=$([ $gpu = 0 ] && echo native || echo bfloat16)
-      CUDA_VISIBLE_DEVICES=$gpu timeout $(($(left) - 15)) python3 -P -m dspark_flow.cli.main bench \
+      CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
         /tmp/dspark-auto.yaml /tmp/dspark-k2.yaml /tmp/dspark-full.yaml --prompts /tmp/heldout.jsonl \
         --trials 3 --warmup-trials 1 --max-tokens 128 --no-mlx-lm --no-verify-cost --no-plots --quiet \
         --set target.weights=$w --out /tmp/bench-caps-$w > $O/bench-caps-$w.log 2>&1 &
@@ -188,8 +201,8 @@ case "${1:-}" in
     tag=$1
     (
       extra=$([ "$tag" = kernels ] && echo "--prompts 4" || echo "--prompts 6 --trials 2")
-      CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 15)) python3 -P benchmarks/kernels_device.py \
-        --prompts-file /tmp/heldout.jsonl --budget $(($(left) - 45)) $extra --out /tmp/$tag \
+      CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
+        --prompts-file /tmp/heldout.jsonl --budget $(upto 45) $extra --out /tmp/$tag \
         > $O/$tag.log 2>&1 || echo "kernels_device cut short"
       for f in kernels.json kernels.md kernels_cost.png verdicts.json; do
         cp /tmp/$tag/$f $O/$tag-$f 2>/dev/null; done
@@ -198,7 +211,7 @@ case "${1:-}" in
     if [ "$tag" = kernels ]; then  # the target's own outputs on the training prompts, counted (draft vocabulary)
       ( data 1 && python3 -P benchmarks/token_counts.py "$R-dspark.yaml" $O/token_counts.npy | tee -a $O/data.log ) &
     else
-      sweep dspark 2 $(($(left) - 20)) --ks 1-7 --prompts /tmp/heldout.jsonl --per-category 4 --max-tokens 256 &
+      sweep dspark 2 $(upto 20) --ks 1-7 --prompts /tmp/heldout.jsonl --per-category 4 --max-tokens 256 &
     fi
     wait
     ;;

@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --replay: JSON of `auto` settings to try, e.g. '{\"probe_cost\": 0.05}'",
     )
     args = p.parse_args(argv)
+    if args.draft_vocab and args.drafter == "lookup":
+        p.error("--draft-vocab is for the trained drafters (dspark, dflash), not lookup")
     if args.quick:
         args.per_category, args.ks, args.trials = 1, "1,4", 1
     return args
@@ -229,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     for pipe in pipes.values():
         pipe.warm_up()
+    curves_from = "the reference verifier's (measured above)"
     if args.verifier or args.draft_vocab:
+        curves_from = (
+            f"the `auto` pipeline's (verifier {args.verifier}, draft_vocab {args.draft_vocab})"
+        )
         # The caps calibrated through the recipe's verifier and drafter (another cache key):
         # those are the curves the modelled and replayed views must charge.
         curves = pipes["auto"].draft_cap.curves
@@ -279,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         header = (
             f"command: {' '.join(sys.argv)}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
-            f"calibration {calib_s:.1f}s ({'measured' if measured else 'cached'})\n"
+            f"calibration {calib_s:.1f}s ({'measured' if measured else 'cached'}); curves used: "
+            f"{curves_from}\n"
             f"machine: {json.dumps(info)}\n"
             f"prompts: {len(prompts)} ({args.per_category}/category), max {args.max_tokens} tokens, "
             f"{trials_done} trials, T=0; outputs equal to greedy: "
@@ -305,13 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps(result, indent=1))
         return header + "\n" + table
 
+    trials_done = 0
+    t_trials = time.time()  # the warm-up passes count against --time-budget too
     for _ in range(args.warmup_trials):
         for _cat, text in prompts:
             for name in names:
                 pipes[name].generate(text, max_new_tokens=args.max_tokens)
         print(f"warm-up pass done at {time.time() - started:.0f}s", flush=True)
-    trials_done = 0
-    t_trials = time.time()
+    write_report()  # the curves and replays survive a run cut before its first trial
     for trial in range(args.trials):
         spent = time.time() - t_trials
         if args.time_budget and trial and spent + spent / trial > args.time_budget:

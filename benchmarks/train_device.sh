@@ -33,7 +33,7 @@ pack() {  # pack drafter dirs (names under dspark_flow/data/drafters) into $OUT
 }
 
 case "${1:-}" in
-  data)  # self-distilled data for both recipes (they share one data section) + step timing
+  data)  # self-distilled data for both recipes (the DSpark recipe's data; DFlash's differs since 2026-11-30 and is made by its own train stage) + step timing
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/data.log"
     df train recipes/train/smollm2-135m-dspark.yaml --stage data --quiet --log-level info 2>&1 | tee -a "$OUT/data.log" | tail -5
     for kind in dspark dflash; do  # 30 steps each into a scratch dir: how many fit in a call

@@ -246,13 +246,13 @@ def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatc
     prompts.write_text("Repeat this: the cat sat on the mat.\nSay hello.\n")
     out = tmp_path / "out"
     argv = ["bench", str(RECIPES / "lookup.yaml"), "--prompts", str(prompts), "--trials", "1"]
-    argv += ["--warmup-trials", "1", "--max-tokens", "6", "--no-verify-cost", "--no-plots"]
+    argv += ["--warmup-trials", "1", "--max-tokens", "20", "--no-verify-cost", "--no-plots"]
     assert main([*argv, "--no-mlx-lm", "--out", str(out), "--quiet"]) == 0
     data = json.loads((out / "bench.json").read_text())
     modes = 2  # greedy, lookup
     assert len(data["runs"]) == 2 * modes  # the warm-up pass is not recorded ...
-    # ... but ran: one short warm-up per mode, a full pass, then the trial.
-    assert len(calls) == modes + 2 * modes * 2
+    # ... but ran: one short (16-token) warm-up per mode, a full-length pass, then the trial.
+    assert calls.count(16) == modes and calls.count(20) == 2 * modes * 2
     assert data["meta"]["config"]["warmup_trials"] == 1
     assert "--warmup-trials 1" in data["meta"]["command"]
 

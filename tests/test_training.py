@@ -4,6 +4,7 @@ exactly, exports load, and bad training recipes fail at validation with one clea
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,12 @@ def _hidden(trainer: DrafterTrainer, samples: list[Sample]) -> mx.array:
     )
 
 
+def _warm(recipe: TrainRecipe, model, tok, where: Path) -> DrafterTrainer:  # noqa: ANN001
+    trainer = DrafterTrainer(recipe, progress=False, checkpoints=where).warm_up(model, tok)
+    trainer.start_from_init()
+    return trainer
+
+
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_a_warm_start_adds_layers_and_begins_where_the_source_ends(
     embedded, samples, tmp_path, kind
@@ -251,51 +258,85 @@ def test_a_warm_start_adds_layers_and_begins_where_the_source_ends(
         tree_map(lambda p: 0.05 * mx.random.normal(p.shape), source.model.trainable_parameters())
     )
     exported = source.export(tmp_path / "float", quantize=None, dtype="float32")
-    grown = DrafterTrainer(
-        small_recipe(kind, layers=2, compile=False, init_from=str(exported)),
-        progress=False,
-        checkpoints=tmp_path / "b",
-    ).warm_up(model, tok)
+    recipe = small_recipe(kind, layers=2, compile=False, init_from=str(exported))
+    grown = _warm(recipe, model, tok, tmp_path / "b")
     assert grown.started_from["layers"] == 1 and grown.started_from["added_layers"] == 1
     want, got = _hidden(source, samples), _hidden(grown, samples)
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+    if kind == "dspark":  # the frozen embedding is the target's, never the source's
+        fresh = DrafterTrainer(small_recipe(kind, layers=2), progress=False).warm_up(model, tok)
+        assert mx.array_equal(grown.model.embed_tokens.weight, fresh.model.embed_tokens.weight)
 
     quantized = source.export(tmp_path / "q4")  # the recipe's default: 4-bit, group 32
-    again = DrafterTrainer(
-        small_recipe(kind, layers=2, steps=2, init_from=str(quantized)),
-        progress=False,
-        checkpoints=tmp_path / "c",
-    ).warm_up(model, tok)
+    again = _warm(
+        small_recipe(kind, layers=2, steps=2, init_from=str(quantized)), model, tok, tmp_path / "c"
+    )
     stored = mx.load(str(quantized / "model.safetensors"))
     name = "layers.0.mlp.up_proj"
-    want = mx.dequantize(*(stored[f"{name}.{k}"] for k in ("weight", "scales", "biases")), 32, 4)
+    w, scales, biases = (stored[f"{name}.{k}"] for k in ("weight", "scales", "biases"))
+    want = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, 4)
     assert mx.array_equal(again.model.layers[0].mlp.up_proj.weight, want).item()
     assert again.started_from["weights_sha256"] != grown.started_from["weights_sha256"]
     assert np.isfinite(again.train(samples).last["loss"])
 
 
+def test_a_resumed_warm_start_keeps_its_record_and_its_source(embedded, samples, tmp_path):
+    """A resumed run takes its weights and its warm-start record from the checkpoint (the card
+    still names the source); a source retrained in place since then is refused."""
+    from dspark_flow.training.run import _lineage
+
+    model, tok = embedded
+    src = DrafterTrainer(small_recipe("dflash"), progress=False).warm_up(model, tok)
+    src_dir = src.export(tmp_path / "src", quantize=None)
+    recipe = small_recipe("dflash", layers=2, steps=2, init_from=str(src_dir))
+    first = _warm(recipe, model, tok, tmp_path / "ck")
+    first.train(samples, steps=1)
+    later = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "ck").warm_up(model, tok)
+    assert later.resume() and later.started_from == first.started_from
+    lines = _lineage({**first.started_from, "init_from": {"path": "/x/root", "layers": 3}})
+    assert "`src`" in lines[1] and "1 layers added" in lines[1] and "`root`" in lines[2]
+
+    src.model.update(tree_map(lambda p: p + 0.01, src.model.trainable_parameters()))
+    src.export(src_dir, quantize=None)  # the source retrained in place
+    again = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "ck").warm_up(model, tok)
+    with pytest.raises(DsparkFlowError, match="warm-started from other weights"):
+        again.resume()
+
+
 def test_a_warm_start_that_cannot_fit_fails_in_one_line(embedded, tmp_path):
+    import json
+
     model, tok = embedded
     two = DrafterTrainer(small_recipe("dspark", layers=2), progress=False, checkpoints=tmp_path)
     src = two.warm_up(model, tok).export(tmp_path / "two", quantize=None)
     cases = [
         (small_recipe("dflash", layers=2, init_from=str(src)), "is a deepspec drafter"),
         (small_recipe("dspark", layers=1, init_from=str(src)), "layers can be added, not dropped"),
+        (small_recipe("dspark", layers=2, init_from=str(tmp_path / "nowhere")), "no drafter"),
     ]
     other_taps = small_recipe("dspark", layers=2, init_from=str(src))
     other_taps.drafter.target_layer_ids = [1, 16, 29]
     cases.append((other_taps, "target_layer_ids"))
+    # A setting that changes no tensor shape must still match.
+    theta = tmp_path / "theta"
+    shutil.copytree(src, theta)
+    config = json.loads((theta / "config.json").read_text())
+    (theta / "config.json").write_text(json.dumps({**config, "rope_theta": 1234.0}))
+    cases.append((small_recipe("dspark", layers=2, init_from=str(theta)), "rope_theta 1234.0"))
+    # A tensor the drafter does not have, and one of the wrong shape.
+    for name, change in (("extra", "bogus.weight"), ("shape", "layers.0.mlp.up_proj.weight")):
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        weights = mx.load(str(bad / "model.safetensors"))
+        weights[change] = mx.zeros((3, 5))
+        mx.save_safetensors(str(bad / "model.safetensors"), weights)
+        message = "does not use" if name == "extra" else "has shape"
+        cases.append((small_recipe("dspark", layers=2, init_from=str(bad)), message))
     for recipe, message in cases:
         trainer = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "x")
         with pytest.raises(DsparkFlowError, match=message) as info:
-            trainer.warm_up(model, tok)
+            trainer.warm_up(model, tok).start_from_init()
         assert "\n" not in str(info.value)
-    with pytest.raises(RecipeError, match="train.init_from: no drafter"):
-        loads_train_recipe(
-            "name: w\ndrafter: {kind: dspark}\ndata: {self_prompts: 4}\n"
-            "train: {init_from: nowhere}\n",
-            base=tmp_path,
-        )
 
 
 def test_quantized_export_loads_and_stays_lossless(embedded, samples, tmp_path):

@@ -195,7 +195,8 @@ class TrainSpec(_Strict):
     init_from: str | None = Field(
         None,
         description="a drafter directory (published layout, same kind, taps and block) to start "
-        "from; the recipe may add layers after the source's (they start as identity)",
+        "a fresh run from (a resumed run continues its checkpoint); the recipe may add layers "
+        "after the source's (they start as identity)",
     )
 
 
@@ -267,8 +268,7 @@ def _resolve_paths(recipe: TrainRecipe, base: Path) -> None:
         recipe.train.init_from = resolved(recipe.train.init_from)
 
 
-def check_input_files(recipe: TrainRecipe, source: str) -> None:
-    """Every file the recipe reads exists (prompt files, the warm start's drafter config)."""
+def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
     missing = [
         f"{source} data.prompts[{i}].path: prompt file not found: {p.path}"
         for i, p in enumerate(recipe.data.prompts)
@@ -278,9 +278,6 @@ def check_input_files(recipe: TrainRecipe, source: str) -> None:
         for i, p in enumerate(recipe.eval.prompts)
         if not Path(p.path).is_file()
     ]
-    start = recipe.train.init_from
-    if start and not (Path(start) / "config.json").is_file():
-        missing.append(f"{source} train.init_from: no drafter (config.json) in {start}")
     if missing:
         raise RecipeError(missing)
 
@@ -305,7 +302,7 @@ def loads_train_recipe(
     except ValidationError as exc:
         raise RecipeError(_pydantic_problems(exc, where, ())) from None
     _resolve_paths(recipe, base or Path.cwd())
-    check_input_files(recipe, source)
+    check_prompt_files(recipe, source)
     return recipe
 
 

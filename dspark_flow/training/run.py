@@ -137,6 +137,8 @@ def run_training(
         elif trainer.resume():
             summary["resumed_from_step"] = trainer.step
         resumed_from = trainer.step
+        if not resumed_from and recipe.train.init_from:
+            trainer.start_from_init()
         if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
             previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
         t0 = time.perf_counter()
@@ -276,7 +278,7 @@ def _lineage(start: dict[str, Any] | None) -> list[str]:
         added = start.get("added_layers") or 0
         lines.append(
             f"Started from `{Path(start.get('path', '?')).name}` (weights sha256 "
-            f"{start.get('weights_sha256', '?')}: {start.get('layers', '?')} layers, "
+            f"{str(start.get('weights_sha256', '?'))[:16]}...: {start.get('layers', '?')} layers, "
             f"{start.get('steps', '?')} steps of recipe {start.get('recipe') or '?'})"
             + (f", {added} layers added (starting as identity)." if added else ".")
         )

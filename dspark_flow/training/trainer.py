@@ -100,6 +100,7 @@ class DrafterTrainer:
         self.config: dict[str, Any] = {}
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.started_from: dict[str, Any] | None = None  # the warm start's source, if any
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -129,14 +130,6 @@ class DrafterTrainer:
         self.head = target_lm_head(target)
         self.embedding = target_embedding(target)
         self.model = self._build_drafter(dims)
-        self.started_from: dict[str, Any] | None = None
-        if r.train.init_from:
-            from dspark_flow.training.warm_start import start_from
-
-            self.started_from = start_from(
-                self.model, Path(r.train.init_from), r, mask_id, self.compute_dtype
-            )
-            log.info("warm start", **self.started_from)
         self.optimizer = self._build_optimizer()
         self._step_fn = self._make_step()
         return self
@@ -207,6 +200,26 @@ class DrafterTrainer:
         else:
             schedule = cosine
         return optim.AdamW(learning_rate=schedule, weight_decay=t.weight_decay)
+
+    def start_from_init(self) -> dict[str, Any]:
+        """A fresh run's warm start from `train.init_from` (warm_start.py); a resumed run
+        takes its weights, and this record, from its checkpoint instead."""
+        from dspark_flow.training.warm_start import start_from
+
+        r = self.recipe
+        if not r.train.init_from:
+            raise DsparkFlowError("this recipe names no train.init_from")
+        self.started_from = start_from(
+            self.model,
+            self.spec,
+            Path(r.train.init_from),
+            r.drafter.kind,
+            self.mask_id,
+            self.compute_dtype,
+        )
+        self._step_fn = self._make_step()  # the compiled step captured the old state objects
+        log.info("warm start", **{k: v for k, v in self.started_from.items() if k != "init_from"})
+        return self.started_from
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -407,7 +420,12 @@ class DrafterTrainer:
             mx.save_safetensors(str(tmp / WEIGHTS), dict(tree_flatten(self.model.parameters())))
             mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(self.optimizer.state)))
             (tmp / "config.json").write_text(json.dumps(self.config, indent=2))
-            state = {"step": self.step, "key": recipe_key(self.recipe), "history": self.history}
+            state = {
+                "step": self.step,
+                "key": recipe_key(self.recipe),
+                "history": self.history,
+                "init_from": self.started_from,
+            }
             (tmp / STATE).write_text(json.dumps(state))
             if final.exists():
                 shutil.rmtree(final)
@@ -434,6 +452,8 @@ class DrafterTrainer:
                 f"checkpoint {ckpt} belongs to a different version of recipe {self.recipe.name!r}; "
                 "pass --fresh to start over (it is then replaced)"
             )
+        self.started_from = state.get("init_from")
+        self._check_same_source(ckpt)
         self.model.load_weights(str(ckpt / WEIGHTS), strict=True)
         opt_state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER)).items()))
         self.optimizer.state = opt_state
@@ -443,6 +463,20 @@ class DrafterTrainer:
         self._step_fn = self._make_step()  # the compiled step captured the old state objects
         log.info("resumed", checkpoint=str(ckpt), step=self.step)
         return True
+
+    def _check_same_source(self, ckpt: Path) -> None:
+        """A checkpoint warm-started from other weights than `train.init_from` now holds (the
+        source retrained in place) is not resumed; a source no longer there is not needed."""
+        from dspark_flow.training.warm_start import weights_digest
+
+        start, source = self.started_from, self.recipe.train.init_from
+        if not start or not source or not (Path(source) / "config.json").is_file():
+            return
+        if weights_digest(Path(source)) != start.get("weights_sha256"):
+            raise DsparkFlowError(
+                f"checkpoint {ckpt} was warm-started from other weights than {source} now "
+                "holds; pass --fresh to start over from them"
+            )
 
     def load_weights_from(self, ckpt: Path | None = None) -> int:
         """Drafter weights of a checkpoint (the newest when None), for export; returns its step.

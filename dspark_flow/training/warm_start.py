@@ -1,7 +1,8 @@
 """Warm start (`train.init_from`): begin training from a drafter directory in the published
 layout (one this command exported, or one published elsewhere with the same shapes).
 
-The source's weights are read (quantized matrices dequantized) into the recipe's drafter. The
+The source is read the way the product loads a drafter (its stored quantization, per-module
+entries and shape checks included), dequantized, and copied into the recipe's drafter. The
 recipe may ask for more layers than the source has: the extra layers come after the source's
 and keep the trainer's identity start (zero residual branches), so step 0 computes exactly what
 the source computes (up to its quantization) and the added capacity is learnt from there.
@@ -10,6 +11,7 @@ Frozen tensors (DSpark's embedding, rebuilt from the target) are not taken from 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -21,74 +23,83 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dspark_flow.errors import DsparkFlowError
-from dspark_flow.training.recipe import TrainRecipe
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _LAYOUT_OF_KIND = {"dspark": "deepspec", "dflash": "dflash"}
-
-
-def _dequantized(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
-    """Float weights for every `<path>.scales` group (mlx-lm's convention: config
-    `quantization` holds the default group/bits and optional per-path entries)."""
-    quant = config.get("quantization") or {}
-    bases = {n[: -len(".scales")] for n in tensors if n.endswith(".scales")}
-    out = {n: v for n, v in tensors.items() if n.rsplit(".", 1)[0] not in bases}
-    with mx.stream(mx.cpu):
-        for base in bases:
-            params = {
-                "group_size": int(quant.get("group_size", 64)),
-                "bits": int(quant.get("bits", 4)),
-            }
-            entry = quant.get(base)
-            if isinstance(entry, dict):
-                params.update({k: int(entry[k]) for k in params if k in entry})
-            out[f"{base}.weight"] = mx.dequantize(
-                tensors[f"{base}.weight"],
-                tensors[f"{base}.scales"],
-                tensors.get(f"{base}.biases"),
-                **params,
-            ).astype(mx.float32)
-    return out
+# Backbone settings that may differ between the source and the recipe's drafter.
+_MAY_DIFFER = {"num_layers", "layer_types"}
 
 
 def weights_digest(path: Path) -> str:
+    """sha256 of the directory's weight files (hex), to tell one source from another."""
     h = hashlib.sha256()
     for f in sorted(Path(path).glob("*.safetensors")):
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
+
+
+def _source_weights(spec: Any) -> dict[str, mx.array]:
+    """The source's weights as float32, loaded by the product's own drafter loader."""
+    from dspark_flow.models.backend import dequantize_model
+    from dspark_flow.models.drafter_loading import DEEPSPEC, load_drafter_weights
+
+    if spec.layout == DEEPSPEC:
+        from dspark_flow.strategies.drafters.dspark import DSparkModel
+
+        skeleton: nn.Module = DSparkModel(spec)
+    else:
+        from dspark_flow.models.drafter_backbone import DrafterBackbone
+
+        skeleton = DrafterBackbone(spec.backbone)
+    with mx.stream(mx.cpu):  # a one-off read; no GPU kernel needed
+        load_drafter_weights(skeleton, spec, quantize=None, dtype="float32")
+        dequantize_model(skeleton, mx.float32)
+    return dict(tree_flatten(skeleton.parameters()))
+
+
+def _check_settings(source: Any, ours: Any, kind: str, mask_token_id: int, where: str) -> None:
+    """Everything but the depth must match: settings that change no tensor shape (RoPE base,
+    norm epsilon, the heads x head_dim split, causality, taps) would load silently wrong."""
+    if source.layout != _LAYOUT_OF_KIND[kind]:
+        raise DsparkFlowError(f"{where} is a {source.layout} drafter; this recipe trains {kind}")
+    pairs = [
+        ("block_size", source.block_size, ours.block_size),
+        ("target_layer_ids", source.target_layer_ids, ours.target_layer_ids),
+        ("mask_token_id", source.mask_token_id, mask_token_id),
+    ]
+    a, b = dataclasses.asdict(source.backbone), dataclasses.asdict(ours.backbone)
+    pairs += [(k, a[k], b[k]) for k in sorted(b) if k not in _MAY_DIFFER]
+    pairs += [(k, source.extra.get(k), v) for k, v in sorted(ours.extra.items())]
+    for name, have, want in pairs:
+        if have != want:
+            raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
+    if source.backbone.num_layers > ours.backbone.num_layers:
+        raise DsparkFlowError(
+            f"{where} has {source.backbone.num_layers} layers, more than the recipe's "
+            f"drafter.num_layers {ours.backbone.num_layers} (layers can be added, not dropped)"
+        )
 
 
 def start_from(
-    model: nn.Module, source: Path, recipe: TrainRecipe, mask_token_id: int, dtype: mx.Dtype
+    model: nn.Module, ours: Any, source: Path, kind: str, mask_token_id: int, dtype: mx.Dtype
 ) -> dict[str, Any]:
-    """Load `source`'s weights into `model` (built for `recipe`); returns what the summary
-    records about the source. One-line DsparkFlowError when the source cannot fit."""
-    from dspark_flow.models.drafter_loading import _IGNORED_TENSORS, read_spec, read_tensors
+    """Load the drafter directory `source` into `model` (built from the spec `ours`); returns
+    what the summary records about the source. One-line DsparkFlowError when it cannot fit."""
+    from dspark_flow.models.drafter_loading import _IGNORED_TENSORS, read_spec
 
     source = Path(source)
     where = f"train.init_from {source}"
+    if not (source / "config.json").is_file():
+        raise DsparkFlowError(
+            f"{where}: no drafter (config.json) there (train or fetch that drafter first, or "
+            "drop train.init_from to start fresh)"
+        )
     spec = read_spec(source)
-    arch = recipe.drafter
-    if spec.layout != _LAYOUT_OF_KIND[arch.kind]:
-        raise DsparkFlowError(
-            f"{where} is a {spec.layout} drafter; this recipe trains a {arch.kind} drafter"
-        )
-    for name, have, want in (
-        ("block_size", spec.block_size, arch.block_size),
-        ("target_layer_ids", spec.target_layer_ids, list(arch.target_layer_ids)),
-        ("mask_token_id", spec.mask_token_id, mask_token_id),
-    ):
-        if have != want:
-            raise DsparkFlowError(f"{where} has {name} {have}, this recipe {want}")
+    _check_settings(spec, ours, kind, mask_token_id, where)
     layers = spec.backbone.num_layers
-    if layers > arch.num_layers:
-        raise DsparkFlowError(
-            f"{where} has {layers} layers, more than the recipe's drafter.num_layers "
-            f"{arch.num_layers} (layers can be added, not dropped)"
-        )
-    tensors = _dequantized(read_tensors(source), spec.config)
+    tensors = _source_weights(spec)
     params = dict(tree_flatten(model.parameters()))
     trainable = dict(tree_flatten(model.trainable_parameters()))
     taken: list[tuple[str, mx.array]] = []
@@ -116,13 +127,13 @@ def start_from(
         "path": str(source),
         "weights_sha256": weights_digest(source),
         "layers": layers,
-        "added_layers": arch.num_layers - layers,
+        "added_layers": ours.backbone.num_layers - layers,
     }
     try:  # a drafter this command trained says how it was made
         summary = json.loads((source / "train_summary.json").read_text())
         record["steps"] = int(summary["train"]["steps"])
         record["recipe"] = summary.get("recipe")
-        if summary.get("train", {}).get("init_from"):
+        if summary["train"].get("init_from"):
             record["init_from"] = summary["train"]["init_from"]  # the lineage, recursively
     except (OSError, ValueError, KeyError, TypeError):
         pass
