@@ -137,10 +137,10 @@ def run_training(
         elif trainer.resume():
             summary["resumed_from_step"] = trainer.step
         resumed_from = trainer.step
-        if not resumed_from and recipe.train.init_from:
-            trainer.start_from_init()
         if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
             previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
+            if recipe.train.init_from:
+                trainer.start_from_init()
         t0 = time.perf_counter()
         deadline = t_start + time_limit if time_limit is not None else None
         result = trainer.train(samples, deadline=deadline)

@@ -399,7 +399,7 @@ class KernelVerifier(Verifier):
         if router.routes or router.attention is not None:
             self._router = router
             if cfg.precompile:
-                self._compile_row_counts(ctx.model)
+                self._compile_row_counts(ctx.model, router)
             rows_on = sorted(
                 {r for rt in router.routes.values() for r in range(17) if rt.rows_mask >> r & 1}
             )
@@ -477,7 +477,7 @@ class KernelVerifier(Verifier):
         """Attention calls that went through the kernel so far."""
         return self._router.attention_calls if self._router is not None else 0
 
-    def _compile_row_counts(self, model: nn.Module) -> None:
+    def _compile_row_counts(self, model: nn.Module, router: _Router) -> None:
         """One forward of each row count 1..max_rows on a throwaway cache. On MLX's CUDA
         backend the first use of a verify shape compiles kernels (the kernels' row buckets,
         MLX's own ops): measured there as first runs up to 56x slower than later ones
@@ -489,9 +489,7 @@ class KernelVerifier(Verifier):
         t0 = time.perf_counter()
         for rows in range(1, self._max_rows + 1):
             mx.eval(self.forward(model, [1] * rows, cache))
-        router = self._router
-        if router is not None:  # the counters report decoding, not this
-            router.calls = router.attention_calls = 0
+        router.calls = router.attention_calls = 0  # the counters report decoding, not this
         log.info("kernels verifier: verify shapes compiled", rows=self._max_rows,
                  seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
 
