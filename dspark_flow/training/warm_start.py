@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dspark_flow.errors import DsparkFlowError
+from dspark_flow.training.data import read_json_object
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _LAYOUT_OF_KIND = {"dspark": "deepspec", "dflash": "dflash"}
@@ -129,12 +129,12 @@ def start_from(
         "layers": layers,
         "added_layers": ours.backbone.num_layers - layers,
     }
-    try:  # a drafter this command trained says how it was made
-        summary = json.loads((source / "train_summary.json").read_text())
-        record["steps"] = int(summary["train"]["steps"])
+    # A drafter this command trained says how it was made (best effort, as every record here).
+    summary = read_json_object(source / "train_summary.json")
+    train = summary.get("train") if isinstance(summary.get("train"), dict) else {}
+    if isinstance(train.get("steps"), int):
+        record["steps"] = train["steps"]
         record["recipe"] = summary.get("recipe")
-        if summary["train"].get("init_from"):
-            record["init_from"] = summary["train"]["init_from"]  # the lineage, recursively
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    if train.get("init_from"):
+        record["init_from"] = train["init_from"]  # the lineage, recursively
     return record
