@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -361,3 +363,26 @@ def test_blas_status_shape():
     assert {"active", "reason", "hint"} <= set(status)
     if status["active"] is False:
         assert "libopenblas0-pthread" in status["hint"]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or backend.backend_name() != "cpu",
+    reason="the reference-BLAS warning is for MLX's CPU backend on Linux",
+)
+def test_slow_blas_warning_names_the_import_order():
+    # mlx.core imported before dspark_flow binds libmlx to its reference BLAS for good: a
+    # float32 model then gets one warning saying how to fix it (a fresh process, since this
+    # one imported dspark_flow first).
+    code = (
+        "import mlx.core\n"
+        "from dspark_flow.models.backend import warn_if_slow_blas\n"
+        "print(warn_if_slow_blas('float32'))\n"
+        "print(warn_if_slow_blas('native'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, second = out.stdout.strip().splitlines()
+    assert "import dspark_flow before mlx" in first and "too late" in first
+    assert second == "None"  # quantized weights: no float32 BLAS to miss
+    assert out.stderr.count("slow_blas") == 1
+    if backend.blas_status()["active"]:  # this process: OpenBLAS in place, nothing to say
+        assert backend.warn_if_slow_blas("float32") is None

@@ -101,6 +101,31 @@ def blas_status() -> dict[str, Any]:
     }
 
 
+def warn_if_slow_blas(fmt: str) -> str | None:
+    """The warning a float32 model on the Linux CPU backend deserves without OpenBLAS (verifying
+    K tokens then costs K times one, so speculation cannot pay), logged once; returns it."""
+    if fmt != "float32" or not sys.platform.startswith("linux") or backend_name() != "cpu":
+        return None
+    status = blas_status()
+    if status["active"]:
+        return None
+    fix = (
+        "import dspark_flow before mlx (OpenBLAS must be loaded before mlx.core)"
+        if _state["reason"].startswith("too late")
+        else "install it with `apt-get install libopenblas0-pthread` (Debian/Ubuntu)"
+    )
+    message = (
+        f"float32 matmuls on the CPU use MLX's reference BLAS ({_state['reason']}): "
+        f"speculative decoding cannot pay here; {fix}"
+    )
+    if not _state.get("warned"):
+        from dspark_flow.log import get_logger
+
+        get_logger().warning("slow_blas", message=message)
+        _state["warned"] = True
+    return message
+
+
 def backend_name() -> str:
     """'cpu', 'metal' or 'cuda': where mlx runs by default."""
     import mlx.core as mx

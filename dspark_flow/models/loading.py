@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from dspark_flow.errors import ModelError
-from dspark_flow.models.backend import apply_weight_format, choose_weight_format, prefer_openblas
+from dspark_flow.models.backend import (
+    apply_weight_format,
+    choose_weight_format,
+    prefer_openblas,
+    warn_if_slow_blas,
+)
 
 # Must precede the first `import mlx.core` in the process to take effect (see backend.py).
 prefer_openblas()
@@ -119,6 +124,7 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
     except Exception as e:
         raise ModelError(f"could not load tokenizer from {path}: {_first_line(e)}") from e
     apply_weight_format(model, fmt)
+    warn_if_slow_blas(fmt)
     return model, tokenizer
 
 
