@@ -13,6 +13,10 @@
 # lookup), and `last` benchmarks the new DSpark drafter against the one it started from
 # (train.init_from, kept in out/drafters/smollm2-135m-dspark-base) and stock greedy.
 #
+# solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
+# that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
+# with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup` as the budget allows.
+#
 # Stage as in train_device.sh, then, one call each:
 #   bash benchmarks/device_x2.sh first    (with the last staged part: after `source .stage/unstage.sh`)
 #   bash benchmarks/device_x2.sh more     (as often as the budget allows)
@@ -73,9 +77,9 @@ train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or t
   [[ "$last" == *trained* ]]  # fails when paused or broken, so `train ... && bench` benches only a finished drafter
 }
 
-sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1
+sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1 (SWEEP_GPU)
   local d=$1 trials=$2 secs=$3; shift 3
-  CUDA_VISIBLE_DEVICES=1 timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
+  CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-1} timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
     --trials "$trials" --warmup-trials "${WARMUP_TRIALS:-1}" --time-budget $((secs > 120 ? secs - 90 : 30)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
     || echo "sweep $d cut short"
   cp "/tmp/dc-$d/results.json" $O/dc-$d.json 2>/dev/null
@@ -109,9 +113,10 @@ sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack
   local v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 4)
   case $1 in
     first)  # probe the kernels and calibrate the curves once (cached on the warm machine)
-      for d in dspark dflash lookup; do
-        CUDA_VISIBLE_DEVICES=1 timeout $(upto 15) python3 -P benchmarks/draft_caps.py \
-          --drafter $d --trials 0 --verifier "$v" --lookup-max-draft 15 --draft-vocab 8192 \
+      for d in dspark dflash lookup; do  # (lookup refuses --draft-vocab: its run of 11:02 failed)
+        local per=(--draft-vocab 8192); [ $d = lookup ] && per=(--lookup-max-draft 15)
+        CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-1} timeout $(upto 15) python3 -P benchmarks/draft_caps.py \
+          --drafter $d --trials 0 --verifier "$v" "${per[@]}" \
           --out /tmp/dc-warm-$d >> $O/dc-warm.log 2>&1 || echo "warm-up $d cut short"
       done ;;
     more)
@@ -215,7 +220,48 @@ case "${1:-}" in
     fi
     wait
     ;;
-  *) echo "usage: $0 first | more | last | caps | kernels | kernels2" >&2; exit 2 ;;
+  solo-first)  # one-GPU lease (kind nvidia-h200), nothing else on the host; after unstaging
+    # Issue 9: verdicts, verify cost curve and batch invariance of the five targets (no end to
+    # end here: solo-e2e runs it one pipeline at a time). The whole call: on 2026-11-30 the
+    # first CUDA compile and the probes took 235 s, and 200 s less than this cut the curve.
+    # The sweeps calibrate their own curves (~45 s each) when they run.
+    CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
+      --trials 0 --budget $(upto 30) --out /tmp/kern > $O/kernels.log 2>&1 || echo "kernels_device cut short"
+    for f in kernels.json kernels.md kernels_cost.png verdicts.json; do cp /tmp/kern/$f $O/kernels-$f 2>/dev/null; done
+    grep -E "\(b\) K=(1|2|4|8|16) " $O/kernels.log
+    ;;
+  solo-e2e)  # issue 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
+    # kernels (the CLI's stack) and through MLX's stock path, bf16 through the attention kernel;
+    # each target with its own greedy and mlx-lm's stock greedy
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    mk() {  # mk NAME CAP VERIFIER [WEIGHTS]: recipes/dspark.yaml with another cap and verifier
+      sed -e "s/^name: dspark/name: $1/" -e "s/^draft_cap: .*/draft_cap: $2/" recipes/dspark.yaml > /tmp/$1.yaml
+      echo "verifier: $3" >> /tmp/$1.yaml
+      [ -z "${4:-}" ] || sed -i "s/^target: .*/target: {model: builtin:smollm2-135m, weights: $4}/" /tmp/$1.yaml
+    }
+    inv='{kind: kernels, invariant: true}' stock='{kind: reference}'
+    mk kernels-full '{kind: full_block}' "$inv"; mk kernels-auto '{kind: auto}' "$inv"
+    mk stock-k2 '{kind: fixed, k: 2}' "$stock"; mk stock-k3 '{kind: fixed, k: 3}' "$stock"
+    mk stock-full '{kind: full_block}' "$stock"; mk bf16-full '{kind: full_block}' '{kind: kernels}' bfloat16
+    set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-k3,stock-full,bf16-full}.yaml
+    CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
+      --prompts /tmp/heldout.jsonl --trials "${TRIALS:-2}" --warmup-trials 1 --max-tokens 128 \
+      --no-verify-cost --no-plots --quiet --out /tmp/bench-e2e > $O/bench-e2e.log 2>&1 || echo "bench cut short"
+    cp /tmp/bench-e2e/bench.md $O/bench-e2e.md 2>/dev/null; cp /tmp/bench-e2e/bench.json $O/bench-e2e.json 2>/dev/null
+    grep -E "^\| \*\*all" $O/bench-e2e.md 2>/dev/null
+    ;;
+  solo-sweeps)  # issue 6 on a quiet GPU: DSpark and DFlash (one warm-up pass, then 2 trials)
+    export SWEEP_GPU=0
+    v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 3)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
+    sweep dspark 2 $(( $(upto 20) / 2 + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
+    sweep dflash 2 $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
+    ;;
+  solo-lookup)
+    export SWEEP_GPU=0
+    sweep lookup 2 $(upto 20) --ks 1-10 --verifier '{kind: kernels, invariant: true}' --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128
+    ;;
+  *) echo "usage: $0 first | more | last | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
