@@ -23,6 +23,11 @@ OPENBLAS_HINT = (
     "OpenBLAS not active: float32 matmuls on the MLX CPU backend use the slow reference BLAS; "
     "install it with `apt-get install libopenblas0-pthread` (Debian/Ubuntu)"
 )
+# When OpenBLAS was there but came too late, or was turned off, installing it fixes nothing.
+_FIX_FOR_REASON = {
+    "too late": "import dspark_flow before mlx (OpenBLAS must be loaded before mlx.core)",
+    "disabled": "unset DSPARK_FLOW_NO_OPENBLAS",
+}
 WEIGHT_FORMATS = ("auto", "native", "float32", "bfloat16", "float16")
 
 # What prefer_openblas() did, for blas_status(): path loaded, or why not.
@@ -93,11 +98,15 @@ def blas_status() -> dict[str, Any]:
     mapped = _mapped_openblas()
     # Mapped but loaded after mlx.core means libmlx already bound to its reference BLAS.
     active = bool(mapped) and not _state["reason"].startswith("too late")
+    fix = next((f for why, f in _FIX_FOR_REASON.items() if _state["reason"].startswith(why)), None)
+    if fix and not _openblas_candidates():  # nothing to load in any order: install it first
+        fix = None
+    hint = OPENBLAS_HINT if fix is None else f"OpenBLAS not active ({_state['reason']}): {fix}"
     return {
         "openblas": mapped,
         "active": active,
         "reason": _state["reason"],
-        "hint": None if active else OPENBLAS_HINT,
+        "hint": None if active else hint,
     }
 
 
@@ -109,15 +118,7 @@ def warn_if_slow_blas(fmt: str) -> str | None:
     status = blas_status()
     if status["active"]:
         return None
-    fix = (
-        "import dspark_flow before mlx (OpenBLAS must be loaded before mlx.core)"
-        if _state["reason"].startswith("too late")
-        else "install it with `apt-get install libopenblas0-pthread` (Debian/Ubuntu)"
-    )
-    message = (
-        f"float32 matmuls on the CPU use MLX's reference BLAS ({_state['reason']}): "
-        f"speculative decoding cannot pay here; {fix}"
-    )
+    message = f"speculative decoding cannot pay on the CPU here. {status['hint']}"
     if not _state.get("warned"):
         from dspark_flow.log import get_logger
 
