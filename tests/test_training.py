@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import yaml
 from mlx.utils import tree_flatten, tree_map
 
 from dspark_flow.errors import ConfigError, DsparkFlowError, RecipeError
@@ -421,6 +422,31 @@ def test_cli_reports_a_bad_training_recipe_in_one_line(tmp_path):
     assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), proc.stderr
     assert "block_size" in lines[0] and "train.stepz: unknown field" in lines[1]
     assert "Traceback" not in proc.stderr
+
+
+TRAIN_RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes", "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", TRAIN_RECIPES, ids=lambda p: p.stem)
+def test_the_repos_training_recipes_validate(path):
+    # Schema and cross-field checks only: their prompt files live in ../shared, outside the repo.
+    recipe = TrainRecipe.model_validate(yaml.safe_load(path.read_text()))
+    assert recipe.name == path.stem and recipe.output  # the repo's recipes say where they write
+    source = recipe.train.init_from
+    if source:  # a warm start never reads what it writes (a rerun would compound)
+        assert (path.parent / source).resolve() != (path.parent / recipe.output).resolve()
+        if "dspark_flow/data/drafters" in source:  # a shipped drafter: in the repo
+            assert (path.parent / source / "config.json").is_file()
+
+
+def test_the_candidates_share_one_data_set():
+    assert len(TRAIN_RECIPES) >= 5
+    a, b = (
+        TrainRecipe.model_validate(yaml.safe_load(path.read_text())).data
+        for path in TRAIN_RECIPES
+        if path.stem in ("smollm2-135m-dspark-more", "smollm2-135m-dflash-grow")
+    )
+    assert a == b and a.seed == 1  # one generated set (the cache key) serves both
 
 
 # -- the drafters shipped in the wheel -------------------------------------------------------------
