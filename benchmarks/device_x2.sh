@@ -13,6 +13,9 @@
 # lookup), and `last` benchmarks the new DSpark drafter against the one it started from
 # (train.init_from, kept in out/drafters/smollm2-135m-dspark-base) and stock greedy.
 #
+# grow-first | grow-more | grow-last [| grow-bench]: two candidates from the shipped drafters on one fresh data
+# set (recipes/train/smollm2-135m-dspark-more.yaml on GPU 0, -dflash-grow.yaml on GPU 1),
+# exported into out/drafters and benched beside the shipped ones; no stage-1 drafter needed.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup` as the budget allows.
@@ -45,13 +48,17 @@ upto() { local n=$(( $(left) - $1 )); echo $((n > 1 ? n : 1)); }  # seconds left
 dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
 
+data_done() {  # the marker of a complete data set, one per data recipe (DATA_RECIPE)
+  echo "/tmp/data.done.$(basename "${DATA_RECIPE:-$R-dspark.yaml}" .yaml)"
+}
+
 data() {  # the shared training data, half the answers on each GPU (resumable; training waits for it)
-  [ -e /tmp/data.done ] && return 0
+  [ -e "$(data_done)" ] && return 0
   local t=$(upto 60) pids=() gpu
   [ "$t" -gt 30 ] || { echo "data: too little time left"; return 1; }
   for gpu in 0 1; do  # worker 0 writes the self prompts, worker 1 waits for them
     CUDA_VISIBLE_DEVICES=$gpu timeout $t python3 -P -m dspark_flow.cli.main train \
-      "$R-dspark.yaml" --stage data --data-worker $gpu/2 --quiet --log-level info 2>&1 \
+      "${DATA_RECIPE:-$R-dspark.yaml}" --stage data --data-worker $gpu/2 --quiet --log-level info 2>&1 \
       | grep -vE "generation  " | cut -c1-260 >> $O/data-$gpu.log &
     pids+=($!)
   done
@@ -59,14 +66,14 @@ data() {  # the shared training data, half the answers on each GPU (resumable; t
   # Both shares on disk: this run checks them and marks the set complete (it generates nothing
   # unless a share was cut short, which it then finishes itself).
   CUDA_VISIBLE_DEVICES=0 timeout $(upto 20) python3 -P -m dspark_flow.cli.main train \
-    "$R-dspark.yaml" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
-    | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch /tmp/data.done
+    "${DATA_RECIPE:-$R-dspark.yaml}" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
+    | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch "$(data_done)"
   tail -n 2 $O/data-0.log $O/data-1.log $O/data.log
 }
 
 train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or the time is up
   local kind=$1 gpu=$2 secs=${3:-$(upto 45)} stages=${4:---stage train}
-  [ -e /tmp/data.done ] || { echo "$kind: no complete training data here (a bare machine?)"; return 1; }
+  [ -e "$(data_done)" ] || { echo "$kind: no complete training data here (a bare machine?)"; return 1; }
   [ "$secs" -gt 60 ] || { echo "$kind: too little time left to train"; return 1; }
   # --time-limit is checked between steps; timeout is the backstop (a fresh process first
   # spends minutes compiling CUDA kernels) so the call still returns its files.
@@ -75,6 +82,26 @@ train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or t
   local last; last=$(grep -E "trained|paused|rror" $O/train-$kind.log | tail -1)
   echo "$kind: $last"
   [[ "$last" == *trained* ]]  # fails when paused or broken, so `train ... && bench` benches only a finished drafter
+}
+
+variant() {  # variant SRC NAME CAP [CHECKPOINT] [VERIFIER] [WEIGHTS]: recipes/SRC.yaml as /tmp/NAME.yaml
+  local name=$2 ckpt=${4:-auto} verifier=${5:-} weights=${6:-}
+  sed -e "s/^name: .*/name: $name/" -e "s/^draft_cap: .*/draft_cap: $3/" \
+    -e "s|checkpoint: auto|checkpoint: $ckpt|" "recipes/$1.yaml" > "/tmp/$name.yaml"
+  [ -z "$verifier" ] || echo "verifier: $verifier" >> "/tmp/$name.yaml"
+  [ -z "$weights" ] || sed -i "s/^target: .*/target: {model: builtin:smollm2-135m, weights: $weights}/" "/tmp/$name.yaml"
+}
+
+pack() {  # pack DIR NAME...: the drafters under DIR exported by this call, in parts under $OUT
+  local dir=$1 fresh=() name; shift
+  for name in "$@"; do  # a paused run exports nothing: never ship half a run
+    if [ "$dir/$name/model.safetensors" -nt /tmp/call_start ]; then fresh+=("$name")
+    else echo "$name: not exported in this call (training unfinished?): not packed"; fi
+  done
+  [ ${#fresh[@]} -gt 0 ] || return 0
+  tar -C "$dir" -cf /tmp/drafters.tar "${fresh[@]}"
+  split -b 15M -d /tmp/drafters.tar "$OUT/drafters.tar.part_"
+  sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
 }
 
 sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1 (SWEEP_GPU)
@@ -87,10 +114,7 @@ sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GP
 }
 
 bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) against greedy, 3 trials
-  for cap in "auto:{kind: auto}" "full:{kind: full_block}"; do
-    sed -e "s/^name: $1/name: $1-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
-      recipes/$1.yaml > /tmp/$1-${cap%%:*}.yaml
-  done
+  variant $1 $1-auto "{kind: auto}"; variant $1 $1-full "{kind: full_block}"
   CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --warmup-trials 1 --max-tokens 128 \
     --no-mlx-lm --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
@@ -127,14 +151,28 @@ sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack
   esac
 }
 
-bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew from, with stock greedy
-  local old=$PWD/out/drafters/smollm2-135m-dspark-base
-  for cap in "auto:{kind: auto}" "full:{kind: full_block}"; do
-    sed -e "s/^name: dspark/name: dspark-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
-      recipes/dspark.yaml > /tmp/dspark-${cap%%:*}.yaml
+candidate_dir() {  # candidate_dir KIND: where the candidate recipe $R-KIND.yaml exports (out/drafters/...)
+  echo "$PWD/out/drafters/$(sed -n 's|^output: \.\./\.\./out/drafters/||p' "$R-$1.yaml")"
+}
+
+bench_candidate() {  # bench_candidate KIND GPU: a candidate beside the shipped drafter, auto and full block
+  local base=${1%%-*} dir cap
+  dir=$(candidate_dir $1)
+  [ -f "$dir/config.json" ] || { echo "$1: no exported drafter in $dir"; return 1; }
+  for cap in auto full_block; do
+    variant $base $base-shipped-$cap "{kind: $cap}"; variant $base $base-candidate-$cap "{kind: $cap}" "$dir"
   done
-  sed -e "s/^name: dspark-full/name: dspark-base-full/" -e "s|checkpoint: auto|checkpoint: $old|" \
-    /tmp/dspark-full.yaml > /tmp/dspark-base-full.yaml
+  CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
+    /tmp/$base-{shipped,candidate}-{auto,full_block}.yaml --prompts /tmp/heldout.jsonl --trials 2 \
+    --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
+    > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
+  cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
+  grep -E "^\| \*\*all" $O/bench-$1.md 2>/dev/null
+}
+
+bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew from, with stock greedy
+  variant dspark dspark-auto "{kind: auto}"; variant dspark dspark-full "{kind: full_block}"
+  variant dspark dspark-base-full "{kind: full_block}" "$PWD/out/drafters/smollm2-135m-dspark-base"
   CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --prompts /tmp/heldout.jsonl \
     --trials 2 --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
@@ -168,23 +206,12 @@ case "${1:-}" in
       done
     fi
     wait
-    fresh=()  # pack only drafters exported by this call (a paused run exports nothing)
-    for name in smollm2-135m-dspark smollm2-135m-dflash; do
-      if [ dspark_flow/data/drafters/$name/model.safetensors -nt /tmp/call_start ]; then fresh+=($name)
-      else echo "$name: not exported in this call (training unfinished?): not packed"; fi
-    done
-    if [ ${#fresh[@]} -gt 0 ]; then
-      tar -C dspark_flow/data/drafters -cf /tmp/drafters.tar "${fresh[@]}"
-      split -b 15M -d /tmp/drafters.tar "$OUT/drafters.tar.part_"
-      sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
-    fi
+    pack dspark_flow/data/drafters smollm2-135m-dspark smollm2-135m-dflash
     ;;
   caps)  # the shipped DSpark drafter under draft caps auto / fixed 2 / full block, 4-bit (GPU 0) and bf16 (GPU 1)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
-    for cap in "auto:{kind: auto}" "k2:{kind: fixed, k: 2}" "full:{kind: full_block}"; do
-      sed -e "s/^name: dspark/name: dspark-${cap%%:*}/" -e "s/^draft_cap: .*/draft_cap: ${cap#*:}/" \
-        recipes/dspark.yaml > /tmp/dspark-${cap%%:*}.yaml
-    done
+    variant dspark dspark-auto "{kind: auto}"; variant dspark dspark-k2 "{kind: fixed, k: 2}"
+    variant dspark dspark-full "{kind: full_block}"
     for gpu in 0 1; do
       w=$([ $gpu = 0 ] && echo native || echo bfloat16)
       CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
@@ -220,7 +247,35 @@ case "${1:-}" in
     fi
     wait
     ;;
-  solo-first)  # one-GPU lease (kind nvidia-h200), nothing else on the host; after unstaging
+  grow-first|grow-more)  # candidates (two-GPU lease): their shared data on both GPUs, then
+    # DSpark trained further (smollm2-135m-dspark-more.yaml) on GPU 0 and DFlash grown to 5
+    # layers (smollm2-135m-dflash-grow.yaml) on GPU 1; both start from the shipped drafters
+    export DATA_RECIPE="$R-dspark-more.yaml"
+    data
+    train dspark-more 0 & train dflash-grow 1 &
+    wait
+    ;;
+  grow-last)  # finish and export into out/drafters, pack; bench beside the shipped ones if time is left
+    export DATA_RECIPE="$R-dspark-more.yaml"
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    for kind in dspark-more dflash-grow; do
+      gpu=$([ $kind = dspark-more ] && echo 0 || echo 1)
+      ( train $kind $gpu "${TRAIN_S:-150}" "--stage train --stage export" \
+        && if [ "$(left)" -gt 300 ]; then bench_candidate $kind $gpu; else echo "$kind: bench with grow-bench"; fi ) &
+    done
+    wait
+    pack out/drafters $(basename "$(candidate_dir dspark-more)") $(basename "$(candidate_dir dflash-grow)")
+    ;;
+  grow-bench)  # each exported candidate beside the shipped drafter, one per GPU
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    bench_candidate dspark-more 0 & bench_candidate dflash-grow 1 &
+    wait
+    ;;
+  solo-*)  # one-GPU lease (kind nvidia-h200), nothing else on the host: later calls reuse the
+    # kernels' verdicts and the calibration curves left on the warm machine
+    export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache SWEEP_GPU=0
+    ;;&
+  solo-first)  # after unstaging
     # Issue 9: verdicts, verify cost curve and batch invariance of the five targets (no end to
     # end here: solo-e2e runs it one pipeline at a time). The whole call: on 2026-11-30 the
     # first CUDA compile and the probes took 235 s, and 200 s less than this cut the curve.
@@ -234,15 +289,11 @@ case "${1:-}" in
     # kernels (the CLI's stack) and through MLX's stock path, bf16 through the attention kernel;
     # each target with its own greedy and mlx-lm's stock greedy
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
-    mk() {  # mk NAME CAP VERIFIER [WEIGHTS]: recipes/dspark.yaml with another cap and verifier
-      sed -e "s/^name: dspark/name: $1/" -e "s/^draft_cap: .*/draft_cap: $2/" recipes/dspark.yaml > /tmp/$1.yaml
-      echo "verifier: $3" >> /tmp/$1.yaml
-      [ -z "${4:-}" ] || sed -i "s/^target: .*/target: {model: builtin:smollm2-135m, weights: $4}/" /tmp/$1.yaml
-    }
     inv='{kind: kernels, invariant: true}' stock='{kind: reference}'
-    mk kernels-full '{kind: full_block}' "$inv"; mk kernels-auto '{kind: auto}' "$inv"
-    mk stock-k2 '{kind: fixed, k: 2}' "$stock"; mk stock-k3 '{kind: fixed, k: 3}' "$stock"
-    mk stock-full '{kind: full_block}' "$stock"; mk bf16-full '{kind: full_block}' '{kind: kernels}' bfloat16
+    variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
+    variant dspark stock-k2 '{kind: fixed, k: 2}' auto "$stock"; variant dspark stock-k3 '{kind: fixed, k: 3}' auto "$stock"
+    variant dspark stock-full '{kind: full_block}' auto "$stock"
+    variant dspark bf16-full '{kind: full_block}' auto '{kind: kernels}' bfloat16
     set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-k3,stock-full,bf16-full}.yaml
     CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
       --prompts /tmp/heldout.jsonl --trials "${TRIALS:-2}" --warmup-trials 1 --max-tokens 128 \
@@ -251,17 +302,15 @@ case "${1:-}" in
     grep -E "^\| \*\*all" $O/bench-e2e.md 2>/dev/null
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DSpark and DFlash (one warm-up pass, then 2 trials)
-    export SWEEP_GPU=0
     v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     sweep dspark 2 $(( $(upto 20) / 2 + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
     sweep dflash 2 $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
     ;;
   solo-lookup)
-    export SWEEP_GPU=0
     sweep lookup 2 $(upto 20) --ks 1-10 --verifier '{kind: kernels, invariant: true}' --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128
     ;;
-  *) echo "usage: $0 first | more | last | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
