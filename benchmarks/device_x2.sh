@@ -104,11 +104,19 @@ pack() {  # pack DIR NAME...: the drafters under DIR exported by this call, in p
   sha256sum /tmp/drafters.tar > "$OUT/drafters.sha256"
 }
 
+ended() {  # ended STATUS NAME, after a step's command failed: why, in one line
+  case $1 in
+    124|137) echo "$2 cut short (time limit)" ;;
+    3) echo "$2: some outputs differ from greedy (bench's exit 3; see its log)" ;;
+    *) echo "$2 ended with status $1 (see its log)" ;;
+  esac
+}
+
 sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1 (SWEEP_GPU)
   local d=$1 trials=$2 secs=$3; shift 3
   CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-1} timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
     --trials "$trials" --warmup-trials "${WARMUP_TRIALS:-1}" --time-budget $((secs > 120 ? secs - 90 : 30)) --out "/tmp/dc-$d" "$@" > $O/dc-$d.log 2>&1 \
-    || echo "sweep $d cut short"
+    || ended $? "sweep $d"
   cp "/tmp/dc-$d/results.json" $O/dc-$d.json 2>/dev/null
   tail -2 $O/dc-$d.log
 }
@@ -118,7 +126,7 @@ bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) agains
   CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --warmup-trials 1 --max-tokens 128 \
     --no-mlx-lm --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
-    > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
+    > $O/bench-$1.log 2>&1 || ended $? "bench $1"
   cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
   grep -E "^\| (all|greedy|$1)" $O/bench-$1.md 2>/dev/null | head -8
 }
@@ -141,7 +149,7 @@ sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack
         local per=(--draft-vocab 8192); [ $d = lookup ] && per=(--lookup-max-draft 15)
         CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-1} timeout $(upto 15) python3 -P benchmarks/draft_caps.py \
           --drafter $d --trials 0 --verifier "$v" "${per[@]}" \
-          --out /tmp/dc-warm-$d >> $O/dc-warm.log 2>&1 || echo "warm-up $d cut short"
+          --out /tmp/dc-warm-$d >> $O/dc-warm.log 2>&1 || ended $? "warm-up $d"
       done ;;
     more)
       sweep dspark 2 $(( $(upto 20) / 2 + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
@@ -165,7 +173,7 @@ bench_candidate() {  # bench_candidate KIND GPU: a candidate beside the shipped 
   CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/$base-{shipped,candidate}-{auto,full_block}.yaml --prompts /tmp/heldout.jsonl --trials 2 \
     --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
-    > $O/bench-$1.log 2>&1 || echo "bench $1 cut short"
+    > $O/bench-$1.log 2>&1 || ended $? "bench $1"
   cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
   grep -E "^\| \*\*all" $O/bench-$1.md 2>/dev/null
 }
@@ -176,7 +184,7 @@ bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew
   CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
     /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --prompts /tmp/heldout.jsonl \
     --trials 2 --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
-    > $O/bench-grown.log 2>&1 || echo "bench cut short"
+    > $O/bench-grown.log 2>&1 || ended $? "bench"
   cp /tmp/bench-grown/bench.md $O/bench-grown.md 2>/dev/null; cp /tmp/bench-grown/bench.json $O/bench-grown.json 2>/dev/null
   grep -E "^\| \*\*all" $O/bench-grown.md 2>/dev/null
 }
@@ -235,7 +243,7 @@ case "${1:-}" in
       extra=$([ "$tag" = kernels ] && echo "--prompts 4" || echo "--prompts 6 --trials 2")
       CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
         --prompts-file /tmp/heldout.jsonl --budget $(upto 45) $extra --out /tmp/$tag \
-        > $O/$tag.log 2>&1 || echo "kernels_device cut short"
+        > $O/$tag.log 2>&1 || ended $? "kernels_device"
       for f in kernels.json kernels.md kernels_cost.png verdicts.json; do
         cp /tmp/$tag/$f $O/$tag-$f 2>/dev/null; done
       grep -E "\(d\) .*tok/s" $O/$tag.log | tail -15
@@ -281,7 +289,7 @@ case "${1:-}" in
     # first CUDA compile and the probes took 235 s, and 200 s less than this cut the curve.
     # The sweeps calibrate their own curves (~45 s each) when they run.
     CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
-      --trials 0 --budget $(upto 30) --out /tmp/kern > $O/kernels.log 2>&1 || echo "kernels_device cut short"
+      --trials 0 --budget $(upto 30) --out /tmp/kern > $O/kernels.log 2>&1 || ended $? "kernels_device"
     for f in kernels.json kernels.md kernels_cost.png verdicts.json; do cp /tmp/kern/$f $O/kernels-$f 2>/dev/null; done
     grep -E "\(b\) K=(1|2|4|8|16) " $O/kernels.log
     ;;
@@ -297,7 +305,7 @@ case "${1:-}" in
     set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-k3,stock-full,bf16-full}.yaml
     CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
       --prompts /tmp/heldout.jsonl --trials "${TRIALS:-2}" --warmup-trials 1 --max-tokens 128 \
-      --no-verify-cost --no-plots --quiet --out /tmp/bench-e2e > $O/bench-e2e.log 2>&1 || echo "bench cut short"
+      --no-verify-cost --no-plots --quiet --out /tmp/bench-e2e > $O/bench-e2e.log 2>&1 || ended $? "bench"
     cp /tmp/bench-e2e/bench.md $O/bench-e2e.md 2>/dev/null; cp /tmp/bench-e2e/bench.json $O/bench-e2e.json 2>/dev/null
     grep -E "^\| \*\*all" $O/bench-e2e.md 2>/dev/null
     ;;
