@@ -96,8 +96,10 @@ def blas_status() -> dict[str, Any]:
     if not sys.platform.startswith("linux"):
         return {"openblas": False, "active": None, "reason": _state["reason"], "hint": None}
     mapped = _mapped_openblas()
-    # Mapped but loaded after mlx.core means libmlx already bound to its reference BLAS.
-    active = bool(mapped) and not _state["reason"].startswith("too late")
+    # libmlx binds cblas_* once, when it loads: only an OpenBLAS already in the global scope
+    # then counts (ours, or LD_PRELOAD). One mapped later, or numpy's (its symbols carry a
+    # suffix), leaves the reference BLAS in place.
+    active = _state["reason"] == "loaded" or "openblas" in os.environ.get("LD_PRELOAD", "")
     fix = next((f for why, f in _FIX_FOR_REASON.items() if _state["reason"].startswith(why)), None)
     if fix and not _openblas_candidates():  # nothing to load in any order: install it first
         fix = None
