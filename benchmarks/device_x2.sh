@@ -112,6 +112,16 @@ ended() {  # ended STATUS NAME, after a step's command failed: why, in one line
   esac
 }
 
+bench_run() {  # bench_run TAG GPU ARGS...: `dspark-flow bench ARGS` on the held-out prompts, 128
+  # tokens, one warm-up pass; log, bench.md and bench.json into $O as bench-TAG.*
+  local tag=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
+    --prompts /tmp/heldout.jsonl --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots \
+    --quiet --out /tmp/bench-$tag > $O/bench-$tag.log 2>&1 || ended $? "bench $tag"
+  cp /tmp/bench-$tag/bench.md $O/bench-$tag.md 2>/dev/null; cp /tmp/bench-$tag/bench.json $O/bench-$tag.json 2>/dev/null
+  grep -E "^\| \*\*all" $O/bench-$tag.md 2>/dev/null
+}
+
 sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GPU 1 (SWEEP_GPU)
   local d=$1 trials=$2 secs=$3; shift 3
   CUDA_VISIBLE_DEVICES=${SWEEP_GPU:-1} timeout "$secs" python3 -P benchmarks/draft_caps.py --drafter "$d" \
@@ -123,12 +133,7 @@ sweep() {  # sweep DRAFTER TRIALS SECONDS [more args]: the draft-cap sweep on GP
 
 bench() {  # bench KIND GPU: one drafter (draft caps auto and full block) against greedy, 3 trials
   variant $1 $1-auto "{kind: auto}"; variant $1 $1-full "{kind: full_block}"
-  CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
-    /tmp/$1-auto.yaml /tmp/$1-full.yaml --prompts /tmp/heldout.jsonl --trials 3 --warmup-trials 1 --max-tokens 128 \
-    --no-mlx-lm --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
-    > $O/bench-$1.log 2>&1 || ended $? "bench $1"
-  cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
-  grep -E "^\| (all|greedy|$1)" $O/bench-$1.md 2>/dev/null | head -8
+  bench_run $1 $2 /tmp/$1-auto.yaml /tmp/$1-full.yaml --trials 3 --no-mlx-lm
 }
 
 base_drafter() {  # the DSpark recipe's warm start (train.init_from): stage 1's 3-layer drafter
@@ -170,23 +175,13 @@ bench_candidate() {  # bench_candidate KIND GPU: a candidate beside the shipped 
   for cap in auto full_block; do
     variant $base $base-shipped-$cap "{kind: $cap}"; variant $base $base-candidate-$cap "{kind: $cap}" "$dir"
   done
-  CUDA_VISIBLE_DEVICES=$2 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
-    /tmp/$base-{shipped,candidate}-{auto,full_block}.yaml --prompts /tmp/heldout.jsonl --trials 2 \
-    --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-$1 \
-    > $O/bench-$1.log 2>&1 || ended $? "bench $1"
-  cp /tmp/bench-$1/bench.md $O/bench-$1.md 2>/dev/null; cp /tmp/bench-$1/bench.json $O/bench-$1.json 2>/dev/null
-  grep -E "^\| \*\*all" $O/bench-$1.md 2>/dev/null
+  bench_run $1 $2 /tmp/$base-{shipped,candidate}-{auto,full_block}.yaml --trials 2
 }
 
 bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew from, with stock greedy
   variant dspark dspark-auto "{kind: auto}"; variant dspark dspark-full "{kind: full_block}"
   variant dspark dspark-base-full "{kind: full_block}" "$PWD/out/drafters/smollm2-135m-dspark-base"
-  CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
-    /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --prompts /tmp/heldout.jsonl \
-    --trials 2 --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots --quiet --out /tmp/bench-grown \
-    > $O/bench-grown.log 2>&1 || ended $? "bench"
-  cp /tmp/bench-grown/bench.md $O/bench-grown.md 2>/dev/null; cp /tmp/bench-grown/bench.json $O/bench-grown.json 2>/dev/null
-  grep -E "^\| \*\*all" $O/bench-grown.md 2>/dev/null
+  bench_run grown 0 /tmp/dspark-auto.yaml /tmp/dspark-full.yaml /tmp/dspark-base-full.yaml --trials 2
 }
 
 case "${1:-}" in
@@ -220,18 +215,11 @@ case "${1:-}" in
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
     variant dspark dspark-auto "{kind: auto}"; variant dspark dspark-k2 "{kind: fixed, k: 2}"
     variant dspark dspark-full "{kind: full_block}"
-    for gpu in 0 1; do
-      w=$([ $gpu = 0 ] && echo native || echo bfloat16)
-      CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench \
-        /tmp/dspark-auto.yaml /tmp/dspark-k2.yaml /tmp/dspark-full.yaml --prompts /tmp/heldout.jsonl \
-        --trials 3 --warmup-trials 1 --max-tokens 128 --no-mlx-lm --no-verify-cost --no-plots --quiet \
-        --set target.weights=$w --out /tmp/bench-caps-$w > $O/bench-caps-$w.log 2>&1 &
+    for w in native bfloat16; do
+      bench_run caps-$w $([ $w = native ] && echo 0 || echo 1) /tmp/dspark-{auto,k2,full}.yaml \
+        --trials 3 --no-mlx-lm --set target.weights=$w &
     done
     wait
-    for w in native bfloat16; do
-      cp /tmp/bench-caps-$w/bench.md $O/bench-caps-$w.md; cp /tmp/bench-caps-$w/bench.json $O/bench-caps-$w.json
-      grep -E "^\| \*\*all" $O/bench-caps-$w.md
-    done
     ;;
   kernels|kernels2)  # issue 9 on GPU 0 (verify kernels); GPU 1: token counts (issue 5), then draft caps (issue 6, 256 tokens)
     # Two calls back to back: the verdicts and MLX's compiled kernels stay on the warm machine,
@@ -303,11 +291,7 @@ case "${1:-}" in
     variant dspark stock-full '{kind: full_block}' auto "$stock"
     variant dspark bf16-full '{kind: full_block}' auto '{kind: kernels}' bfloat16
     set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-k3,stock-full,bf16-full}.yaml
-    CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
-      --prompts /tmp/heldout.jsonl --trials "${TRIALS:-2}" --warmup-trials 1 --max-tokens 128 \
-      --no-verify-cost --no-plots --quiet --out /tmp/bench-e2e > $O/bench-e2e.log 2>&1 || ended $? "bench"
-    cp /tmp/bench-e2e/bench.md $O/bench-e2e.md 2>/dev/null; cp /tmp/bench-e2e/bench.json $O/bench-e2e.json 2>/dev/null
-    grep -E "^\| \*\*all" $O/bench-e2e.md 2>/dev/null
+    bench_run e2e 0 "$@" --trials "${TRIALS:-2}"
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9
