@@ -396,7 +396,7 @@ def write_md(data: dict[str, Any], path: Path) -> None:
                   "| kernel | shape | rows | kernel ms | twin ms | speedup | rel err | verdict |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for v in verdicts:
-            shape = (f"N={v['n']} K={v['k']} b{v['bits']}" if v["kernel"] == "qmm_small_m"
+            shape = (f"N={v['n']} K={v['k']} b{v['bits']}" if "n" in v
                      else f"keys<={v.get('keys')} {v.get('q_heads')}/{v.get('kv_heads')}x"
                      f"{v.get('head_dim')}")  # fmt: skip
             sp = v["twin_ms"] / v["kernel_ms"] if v["kernel_ms"] and v["twin_ms"] else None
@@ -404,6 +404,13 @@ def write_md(data: dict[str, Any], path: Path) -> None:
                          f"{_fmt(v['kernel_ms'])} | {_fmt(v['twin_ms'])} | {_fmt(sp)} | "
                          f"{_fmt(v['max_rel_err'])} | {v['reason']} |")  # fmt: skip
         lines.append("")
+    for target, routes in data.get("routes", {}).items():
+        if routes:
+            lines += [f"## (a) {target}: what each row count runs, per layer shape", "",
+                      "| layer | " + " | ".join(f"{r}" for r in range(1, 17)) + " |",
+                      "|---" * 17 + "|"]  # fmt: skip
+            lines += [f"| {shape} | " + " | ".join(names) + " |" for shape, names in routes.items()]
+            lines.append("")
     shapes = data.get("shapes", [])
     if shapes:
         bad = [s for s in shapes if s["max_rel_err"] is not None and "wrong" in s["reason"]]
@@ -510,6 +517,7 @@ def main() -> None:
             t = time.perf_counter()
             verifier.warm_up(BuildContext(model=model, tokenizer=tok, recipe=None))
             data["verdicts"][name] = verifier.verdicts
+            data.setdefault("routes", {})[name] = verifier.matmul_routes()
             on = sum(v["enabled"] for v in verifier.verdicts)
             say(f"{name}: {len(verifier.verdicts)} shapes probed, {on} enabled "
                 f"({time.perf_counter() - t:.1f} s)")  # fmt: skip

@@ -332,6 +332,61 @@ def probe_qmm(
     return probe(key, fn, q.qmm_small_m_reference, make, tol, min_gain, store, force)
 
 
+def probe_stock_span(
+    max_rows: int,
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int,
+    x_dtype: mx.Dtype,
+    s_dtype: mx.Dtype,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """How many rows (of 1..max_rows) MLX's own quantized matmul computes exactly as it computes
+    one row, for this shape on this machine: `extra["span"]` (kernels/stock_rows.py). Checked
+    on two random draws (the smaller span counts); cached like the kernels' verdicts."""
+    from dspark_flow.kernels import stock_rows as sr
+
+    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    key = ProbeKey.make("stock_row_span", "1", fmt, max_rows, n, k, dtype_name(x_dtype))
+    store = store if store is not None else VerdictCache()
+    if not force and (hit := store.get(key)) is not None:
+        return hit
+    make = qmm_inputs(max_rows, n, k, bits, group_size, x_dtype, s_dtype)
+    span = min(sr.invariant_span(*make(seed)) for seed in (0, 1))
+    reason = f"rows 1..{span} computed as one row is" if span else "not deterministic"
+    verdict = Verdict(span > 0, reason, extra={"span": span}, correct=span > 0)
+    store.put(key, verdict)
+    return verdict
+
+
+def probe_qmm_chunks(
+    rows: int,
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int,
+    x_dtype: mx.Dtype,
+    s_dtype: mx.Dtype,
+    chunk: int,
+    min_gain: float = MIN_GAIN,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """MLX's quantized matmul over chunks of at most `chunk` rows, timed against the same matmul
+    over all rows at once (`kernel_ms`: what the chunks cost; the invariant mode's alternative
+    to a kernel past the stock matmul's invariant span)."""
+    from dspark_flow.kernels import qmm_small_m as q
+    from dspark_flow.kernels import stock_rows as sr
+
+    make = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)
+    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    key = ProbeKey.make(sr.NAME, f"chunk{chunk}", fmt, rows, n, k, dtype_name(x_dtype))
+    tol = TOLERANCE.get(dtype_name(q.output_dtype(x_dtype, s_dtype)), 1e-2)
+    return probe(key, sr.chunked(chunk), sr.qmm_stock_reference, make, tol, min_gain, store, force)
+
+
 # -- the sdpa_small_q probe ----------------------------------------------------------------
 
 # Key-length buckets: a verify over T cached keys uses the verdict of the smallest bucket >= T

@@ -17,6 +17,7 @@ import pytest
 from dspark_flow.kernels import coprefill, probe
 from dspark_flow.kernels import qmm_small_m as q
 from dspark_flow.kernels import sdpa_small_q as a
+from dspark_flow.kernels import stock_rows as sr
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.verifiers.kernels import KernelsConfig, KernelVerifier
 
@@ -127,6 +128,43 @@ def test_probe_refuses_subtly_wrong_kernels(monkeypatch, wrong):
     monkeypatch.setattr(probe, "time_pair", _fake_timer(1.0, 2.0))
     v = probe.probe_qmm(3, 192, 576, 4, 32, mx.float32, mx.float32, kernel=wrong)
     assert not v.enabled and v.reason.startswith("wrong values")
+
+
+def test_stock_chunks_compute_each_row_as_one_row():
+    x, w, s_, b, gs, bits = _inputs(1536, 576, 4, rows=16)
+    singles = mx.concatenate([sr.qmm_stock_reference(x[i : i + 1], w, s_, b, gs, bits)
+                              for i in range(16)])  # fmt: skip
+    for chunk in (1, 3, 7, 16):
+        out = sr.qmm_stock_chunked(x, w, s_, b, gs, bits, chunk)
+        assert out.shape == (16, 1536) and mx.array_equal(out, singles).item()
+    # leading dimensions are kept, as a model's (batch, tokens, features) input has them
+    y = sr.chunked(7)(x.reshape(2, 8, 576), w, s_, b, gs, bits)
+    assert y.shape == (2, 8, 1536) and mx.array_equal(y.reshape(16, 1536), singles).item()
+
+
+def test_invariant_span_finds_where_rows_start_to_differ():
+    inputs = _inputs(192, 576, 4, rows=8)
+
+    def tiled_from_four(x, *rest):  # a stock kernel that switches to another sum order at 4 rows
+        y = sr.qmm_stock_reference(x, *rest)
+        return y * (1 + 1e-6) if x.shape[0] >= 4 else y
+
+    calls = iter(range(10**6))
+
+    def not_deterministic(x, *rest):
+        return sr.qmm_stock_reference(x, *rest) + next(calls) * 1e-7
+
+    assert sr.invariant_span(*inputs) == 8  # MLX's CPU matmul: every row alike
+    assert sr.invariant_span(*inputs, matmul=tiled_from_four) == 3
+    assert sr.invariant_span(*inputs, matmul=not_deterministic) == 0
+
+
+def test_stock_span_probe_is_cached(kernel_cache, monkeypatch):
+    v = probe.probe_stock_span(4, 192, 576, 4, 32, mx.float32, mx.float32)
+    assert v.correct and v.extra["span"] == 4 and not v.cached
+    monkeypatch.setattr(sr, "invariant_span", lambda *a: pytest.fail("measured again"))
+    again = probe.probe_stock_span(4, 192, 576, 4, 32, mx.float32, mx.float32)
+    assert again.cached and again.extra["span"] == 4
 
 
 @cpu_only
@@ -482,17 +520,65 @@ def test_kernels_verifier_routes_attention(monkeypatch, tiny_quantized):
     assert llama.scaled_dot_product_attention is original
 
 
+def _matmul_routes(verifier: KernelVerifier) -> set[tuple[str, ...]]:
+    """The distinct routes of the verifier's routed layers (what rows 1..max_rows run)."""
+    return {tuple(names) for names in verifier.matmul_routes().values()}
+
+
 @cpu_only
-def test_invariant_mode_takes_correct_kernels_even_when_slower(monkeypatch, tiny_quantized):
-    monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))  # every kernel is slower
+def test_invariant_mode_takes_the_stock_matmul_where_it_is_invariant_and_cheaper(
+    monkeypatch, tiny_quantized
+):
+    # The kernels are correct but slower; MLX's CPU matmul computes 1..4 rows alike (measured
+    # by the probe), so it stays, and only the attention takes its (slower) kernel.
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
     verifier = _emulated_verifier(max_rows=4, invariant=True)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
-    assert verifier.verdicts and all(v["correct"] and not v["enabled"] for v in verifier.verdicts)
+    spans = [v for v in verifier.verdicts if v["kernel"] == "stock_row_span"]
+    assert spans and all(v["extra"]["span"] == 4 for v in spans)
+    matmuls = [v for v in verifier.verdicts if v["kernel"] == "qmm_small_m"]
+    assert matmuls and all(v["correct"] and not v["enabled"] for v in matmuls)
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
     prompt = [504, 2365, 6354, 504, 2365]
     assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
-    assert verifier.kernel_calls > 0 and verifier.attention_calls > 0
+    assert verifier.kernel_calls == 0 and verifier.attention_calls > 0
+    verifier.restore()
+
+
+@cpu_only
+def test_invariant_mode_chunks_the_stock_matmul_past_its_span(monkeypatch, tiny_quantized):
+    # A stock matmul that computes only 1..2 rows alike: 3 and 4 rows run as chunks of 2, which
+    # the (fake) timings make cheaper than the slower kernel at every row count.
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
+    span_two = probe.Verdict(True, "rows 1..2", extra={"span": 2}, correct=True)
+    monkeypatch.setattr(probe, "probe_stock_span", lambda *a, **k: span_two)
+    verifier = _emulated_verifier(max_rows=4, invariant=True)
+    spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
+    spec.warm_up()
+    assert _matmul_routes(verifier) == {("stock", "stock", "qmm_stock_chunks", "qmm_stock_chunks")}
+    chunks = [v for v in verifier.verdicts if v["kernel"] == "qmm_stock_chunks"]
+    assert chunks and {v["rows"] for v in chunks} == {3, 4}
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
+    prompt = [504, 2365, 6354, 504, 2365]
+    assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
+    verifier.restore()
+
+
+@cpu_only
+def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
+    monkeypatch, tiny_quantized
+):
+    # The kernel is slower for one row, faster from two: summed over the row counts it wins,
+    # so it takes all of them (a faster-only choice would mix kernel and stock rows).
+    def timer(kernel, twin, inputs, **_):
+        return (2.0, 1.0) if inputs[0].shape[0] == 1 else (0.5, 3.0)
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    verifier = _emulated_verifier(max_rows=4, invariant=True)
+    spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
+    spec.warm_up()
+    assert _matmul_routes(verifier) == {("qmm_small_m_emulated",) * 4}
     verifier.restore()
 
 
@@ -552,9 +638,13 @@ def test_failed_warm_up_leaves_nothing_routed_and_can_be_retried(monkeypatch, ti
 
 @cpu_only
 def test_invariant_mode_holds_for_plain_greedy_too(monkeypatch, tiny_quantized):
-    # Plain greedy through an invariant verifier computes what its speculation computes, so it
-    # takes the same (correct, slower) kernels for its one-token forwards.
-    monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))  # every kernel is slower
+    # Plain greedy through an invariant verifier computes what its speculation computes, so its
+    # one-token forwards take the kernel where the route chosen over all rows is the kernel's,
+    # although the kernel is the slower one for one row.
+    def timer(kernel, twin, inputs, **_):
+        return (2.0, 1.0) if inputs[0].shape[0] == 1 else (0.5, 3.0)
+
+    monkeypatch.setattr(probe, "time_pair", timer)
     verifier = _emulated_verifier(max_rows=2, invariant=True)
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized, verifier=verifier)
     greedy.generate([504, 2365, 6354])

@@ -102,6 +102,28 @@ def test_native_layers_stay_quantized(native):
 
 
 @pytest.mark.slow
+def test_widened_scales_give_bitwise_the_same_logits(model_dir):
+    # As converted, the target's scales are float16 and its activations float32: every matmul
+    # casts its scales on each call. Cast once (what GPU backends do at load), the logits are
+    # the same to the bit, and the tied head keeps the float16 scales its embedding lookup uses.
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from dspark_flow.models.scales import widen_scales_to_activations
+
+    model, _ = load_model(model_dir)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.scales.dtype == mx.float16
+    ids = mx.array([[1, 504, 2365, 6354]])
+    before = model(ids)
+    assert widen_scales_to_activations(model) == 30 * 7
+    assert q_proj.scales.dtype == q_proj.biases.dtype == mx.float32
+    assert model.model.embed_tokens.scales.dtype == mx.float16
+    assert mx.array_equal(model(ids), before).item()
+    assert widen_scales_to_activations(model) == 0  # nothing left to widen
+
+
+@pytest.mark.slow
 def test_greedy_matches_mlx_lm_generate(native, native_run):
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler

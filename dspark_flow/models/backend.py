@@ -169,6 +169,10 @@ def apply_weight_format(model: Any, fmt: str) -> Any:
         if backend_name() == "cpu":
             # float16 scales/activations take a slow path on the CPU backend (~32x for 4-bit).
             model.set_dtype(mx.float32)
+        else:
+            from dspark_flow.models.scales import widen_scales_to_activations
+
+            widen_scales_to_activations(model)  # exact; saves two copies per matmul call
         return model
     dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
     if fmt not in dtypes:

@@ -81,12 +81,16 @@ def _quant_args(module: nn.Module) -> tuple[mx.array, mx.array, mx.array | None]
 
 @dataclass(slots=True)
 class _Route:
-    """What one layer may take: its activation dtype, the verify row counts enabled for the
-    kernel (bit r set: r rows), and CPU co-prefill shares by prefill row bucket."""
+    """What one layer may take: its activation dtype, the matmul for each verify row count
+    (`by_rows[r]`: a kernel's calling convention, None: the stock path), and CPU co-prefill
+    shares by prefill row bucket."""
 
     dtype: mx.Dtype
-    rows_mask: int = 0
+    by_rows: list[Callable[..., Any] | None] = field(default_factory=list)
     shares: dict[int, float] = field(default_factory=dict)
+
+    def rows_on(self) -> list[int]:
+        return [r for r, fn in enumerate(self.by_rows) if fn is not None]
 
 
 @dataclass(slots=True)
@@ -103,8 +107,7 @@ class _Router:
     """Decides each routed matmul's and attention's path; kept lean (it runs ~200 times per
     forward)."""
 
-    def __init__(self, kernel: Callable[..., Any], max_rows: int):
-        self.kernel = kernel
+    def __init__(self, max_rows: int):
         self.max_rows = max_rows
         self.recording: dict[int, mx.Dtype] | None = None
         self.routes: dict[int, _Route] = {}  # by id(module)
@@ -149,17 +152,24 @@ class _Router:
             return None
         rows = x.size // x.shape[-1]
         if rows <= self.max_rows:
-            if not route.rows_mask >> rows & 1:
+            fn = route.by_rows[rows] if rows < len(route.by_rows) else None
+            if fn is None:
                 return None
             self.calls += 1
             w, s, b = _quant_args(module)
-            return self.kernel(x, w, s, b, module.group_size, module.bits)
+            return fn(x, w, s, b, module.group_size, module.bits)
         share = route.shares.get(row_bucket(rows) or 0) if route.shares else None
         if share is None:
             return None
         self.calls += 1
         w, s, b = _quant_args(module)
         return coprefill_qmm(x, w, s, b, module.group_size, module.bits, share)
+
+
+def _total(costs: Any) -> float:
+    """Sum of probe timings; infinite where one is missing (nothing was timed)."""
+    values = list(costs)
+    return float("inf") if any(c is None for c in values) else float(sum(values))
 
 
 def _routed_linear_call(self: nn.Module, x: mx.array) -> mx.array:
@@ -254,6 +264,7 @@ class KernelVerifier(Verifier):
         self._max_rows = MAX_ROWS
         self._take_correct = False  # invariant mode in force (see _invariant)
         self._progress: Any = None  # the probes' progress bar while warming up
+        self._not_invariant: list[str] = []  # why a layer shape has no invariant route
         self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
 
     # -- routing ---------------------------------------------------------------------------
@@ -334,7 +345,7 @@ class KernelVerifier(Verifier):
     def _warm_up(self, ctx: BuildContext) -> None:
         from dspark_flow.kernels import qmm_small_m as q
         from dspark_flow.kernels import sdpa_small_q as a
-        from dspark_flow.kernels.probe import VerdictCache, dtype_name, probe_qmm
+        from dspark_flow.kernels.probe import VerdictCache
 
         cfg = self.config
         self._take_correct = self._invariant()
@@ -343,7 +354,7 @@ class KernelVerifier(Verifier):
         if not layers and not attention_modules:
             log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
-        router = _Router(self._kernel or q.qmm_small_m_trusted, self._max_rows)
+        router = _Router(self._max_rows)
         router.attention_kernel = self._attention_kernel or a.sdpa_small_q_trusted
         self._swap(layers)
         for name in attention_modules:
@@ -366,18 +377,12 @@ class KernelVerifier(Verifier):
         # Every kernel needs a GPU backend qmm_small_m knows (sdpa_small_q: CUDA, a subset).
         gpu = q.kernel_backend() is not None
         self._progress = _probe_bar(self._probe_count(shapes, router), gpu=gpu)
+        self._not_invariant.clear()
         for (n, k, bits, gs, x_dtype, s_dtype), group in shapes.items():
-            for rows in range(1, self._max_rows + 1):
-                v = probe_qmm(
-                    rows, n, k, bits, gs, x_dtype, s_dtype, self._kernel, cfg.min_gain, store,
-                    cfg.reprobe,
-                )  # fmt: skip
-                self._note("qmm_small_m", v, rows=rows, n=n, k=k, bits=bits, group_size=gs,
-                           dtype=dtype_name(x_dtype))  # fmt: skip
-                if self._take(v):
-                    for m in group:
-                        route = router.routes.setdefault(id(m), _Route(x_dtype))
-                        route.rows_mask |= 1 << rows
+            by_rows = self._matmul_routes((n, k, bits, gs, x_dtype, s_dtype), store)
+            if any(fn is not None for fn in by_rows):
+                for m in group:
+                    router.routes.setdefault(id(m), _Route(x_dtype)).by_rows = by_rows
             if cfg.coprefill:
                 self._probe_coprefill(router, group, n, k, bits, gs, x_dtype, s_dtype, store)
         if len(router.attention_seen) == 1:  # one attention shape: every layer alike
@@ -386,10 +391,12 @@ class KernelVerifier(Verifier):
         self._progress = None
         if router.attention is None:
             _unwrap_attention(id(self))
-        wrong = [v for v in self.verdicts if not v["correct"] and v["kernel"] != "coprefill_qmm"]
+        wrong = self._not_invariant + [
+            v["reason"] for v in self.verdicts if v["kernel"] == "sdpa_small_q" and not v["correct"]
+        ]
         if self._take_correct and wrong:
             log.warning("kernels verifier: not invariant, some shapes keep the stock path",
-                        shapes=len(wrong), reason=wrong[0]["reason"])  # fmt: skip
+                        shapes=len(wrong), reason=wrong[0])  # fmt: skip
         # Only routed layers keep the routed class; the rest get their own back.
         keep = [(m, c) for m, c in self._swapped if id(m) in router.routes]
         for module, cls in self._swapped:
@@ -400,9 +407,7 @@ class KernelVerifier(Verifier):
             self._router = router
             if cfg.precompile:
                 self._compile_row_counts(ctx.model, router)
-            rows_on = sorted(
-                {r for rt in router.routes.values() for r in range(17) if rt.rows_mask >> r & 1}
-            )
+            rows_on = sorted({r for rt in router.routes.values() for r in rt.rows_on()})
             attention_on = {
                 bucket: [r for r in range(17) if mask >> r & 1]
                 for bucket, mask in (router.attention.rows_masks if router.attention else {}).items()
@@ -412,6 +417,69 @@ class KernelVerifier(Verifier):
         else:
             why = self.verdicts[0]["reason"] if self.verdicts else "no shapes"
             log.info("kernels verifier: every probe declined", reason=why)
+
+    def _matmul_routes(self, shape: tuple[Any, ...], store: Any) -> list[Callable[..., Any] | None]:
+        """Probe rows 1..max_rows of one layer shape; the matmul for each row count (index r;
+        None: the stock path). Outside invariant mode the kernel where it is faster; in
+        invariant mode one of two routes that compute every row alike, whichever the probes
+        timed cheaper over all row counts (`_invariant_routes`)."""
+        from dspark_flow.kernels import qmm_small_m as q
+        from dspark_flow.kernels.probe import dtype_name, probe_qmm
+
+        n, k, bits, gs, x_dtype, s_dtype = shape
+        kernel = self._kernel or q.qmm_small_m_trusted
+        verdicts = []
+        for rows in range(1, self._max_rows + 1):
+            v = probe_qmm(
+                rows, n, k, bits, gs, x_dtype, s_dtype, self._kernel, self.config.min_gain,
+                store, self.config.reprobe,
+            )  # fmt: skip
+            self._note("qmm_small_m", v, rows=rows, n=n, k=k, bits=bits, group_size=gs,
+                       dtype=dtype_name(x_dtype))  # fmt: skip
+            verdicts.append(v)
+        if not self._take_correct:
+            return [None] + [kernel if v.enabled else None for v in verdicts]
+        return self._invariant_routes(shape, kernel, verdicts, store)
+
+    def _invariant_routes(
+        self, shape: tuple[Any, ...], kernel: Callable[..., Any], verdicts: list[Any], store: Any
+    ) -> list[Callable[..., Any] | None]:
+        """The cheaper of (a) the kernel for every row count, where it is correct for all of
+        them, and (b) MLX's own matmul, which computes rows 1..span as it computes one row
+        (measured: `probe_stock_span`), in chunks of `span` rows past that. The cost of a route
+        is its probe timings summed over rows 1..max_rows."""
+        from dspark_flow.kernels import stock_rows
+        from dspark_flow.kernels.probe import dtype_name, probe_qmm_chunks, probe_stock_span
+
+        n, k, bits, gs, x_dtype, s_dtype = shape
+        top = self._max_rows
+        where = {"n": n, "k": k, "bits": bits, "group_size": gs, "dtype": dtype_name(x_dtype)}
+        kernel_ok = all(v.correct for v in verdicts)
+        kernel_cost = _total(v.kernel_ms for v in verdicts)
+        sv = probe_stock_span(top, n, k, bits, gs, x_dtype, s_dtype, store, self.config.reprobe)
+        self._note("stock_row_span", sv, rows=top, **where)
+        span = min(int(sv.extra.get("span", 0)), top)
+        chunks_ok, chunks_cost = span > 0, float("inf")
+        if chunks_ok:
+            costs = [v.twin_ms for v in verdicts[:span]]
+            for rows in range(span + 1, top + 1):
+                c = probe_qmm_chunks(
+                    rows, n, k, bits, gs, x_dtype, s_dtype, span, self.config.min_gain, store,
+                    self.config.reprobe,
+                )  # fmt: skip
+                self._note(stock_rows.NAME, c, **{**where, "rows": rows})
+                chunks_ok = chunks_ok and c.correct
+                costs.append(c.kernel_ms)
+            chunks_cost = _total(costs)
+        if self._progress is not None and span:
+            self._progress.update(span)  # the chunk probes a wider span made needless
+        if chunks_ok and (not kernel_ok or chunks_cost <= kernel_cost):
+            fn = stock_rows.chunked(span)
+            return [None] * (span + 1) + [fn] * (top - span)
+        if kernel_ok:
+            return [None] + [kernel] * top
+        self._not_invariant.append(f"no invariant matmul for {where}: {sv.reason}")
+        return [None] + [kernel if v.enabled else None for v in verdicts]
 
     def _probe_attention(
         self, shape: tuple[int, int, int, mx.Dtype], store: Any
@@ -455,6 +523,8 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels.probe import KEY_BUCKETS
 
         per_shape = self._max_rows + (len(ROW_BUCKETS) if self.config.coprefill else 0)
+        if self._take_correct:  # the stock matmul's span, and its chunks past the span
+            per_shape += 1 + self._max_rows
         attention = len(KEY_BUCKETS) * self._max_rows if len(router.attention_seen) == 1 else 0
         return len(shapes) * per_shape + attention
 
@@ -466,6 +536,20 @@ class KernelVerifier(Verifier):
         self.verdicts.append({"kernel": kernel, **shape, **v.to_json(), "cached": v.cached})
         if self._progress is not None:
             self._progress.update(1)
+
+    def matmul_routes(self) -> dict[str, list[str]]:
+        """Per routed layer shape ("NxK b<bits>"), what each row count 1..max_rows runs: "stock"
+        or the name of the kernel (or chunked stock matmul) that replaces it."""
+        routes: dict[str, list[str]] = {}
+        for module, _ in self._swapped if self._router is not None else []:
+            route = self._router.routes.get(id(module))  # type: ignore[union-attr]
+            if route is not None:
+                w = module["weight"]
+                shape = f"{w.shape[0]}x{w.shape[1] * 32 // module.bits} b{module.bits}"
+                names = [getattr(fn, "__name__", "kernel") if fn else "stock"
+                         for fn in route.by_rows[1:]]  # fmt: skip
+                routes[shape] = names + ["stock"] * (self._max_rows - len(names))
+        return routes
 
     @property
     def kernel_calls(self) -> int:

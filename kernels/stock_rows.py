@@ -1,0 +1,98 @@
+"""MLX's own quantized matmul, kept row-invariant: in chunks no larger than the row count up to
+which its kernel computes every row alike.
+
+Why: the verifier's invariant mode needs a token's logits not to depend on how many tokens
+one forward holds. MLX's CUDA backend runs a per-row kernel (qmv) for a few rows and a tiled
+GEMM from some row count on (8 rows for float32 activations in MLX 0.32), whose sums round
+differently. Up to that count the stock matmul is invariant already, and cheaper per call
+than a custom kernel (measured on the H200, benchmarks §4); past it, the rows are split into
+chunks of that size, each run by the per-row kernel, so every row is computed exactly as in
+a one-row forward.
+
+The span is measured, not assumed: `invariant_span` compares each row of an M-row product
+with the one-row product of that row, bit for bit, for M = 1..max_rows on random inputs.
+
+Twin: `mx.quantized_matmul` on all rows at once (the values the chunks must match to within
+rounding; bitwise wherever the span holds).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+NAME = "qmm_stock_chunks"
+
+
+def qmm_stock_chunked(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    chunk: int,
+) -> mx.array:
+    """`x @ dequant(w).T` by MLX's quantized matmul over chunks of at most `chunk` rows.
+    x: (..., K); the leading dimensions are flattened into rows and restored."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    parts = [
+        mx.quantized_matmul(
+            rows[i : i + chunk],
+            w,
+            scales,
+            biases,
+            transpose=True,
+            group_size=group_size,
+            bits=bits,
+        )  # fmt: skip
+        for i in range(0, m, chunk)
+    ]
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    return y.reshape(*lead, w.shape[0])
+
+
+def chunked(chunk: int):
+    """`qmm_stock_chunked` with its chunk bound, in the kernels' calling convention."""
+
+    def qmm_stock_chunks(x, w, scales, biases, group_size, bits):
+        return qmm_stock_chunked(x, w, scales, biases, group_size, bits, chunk)
+
+    return qmm_stock_chunks
+
+
+def qmm_stock_reference(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    """The twin: MLX's quantized matmul on all rows at once."""
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+    )
+
+
+def invariant_span(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    matmul=qmm_stock_reference,
+) -> int:
+    """The largest M (0..rows of x) such that for every M' <= M each row of `matmul` over the
+    first M' rows of x equals, bit for bit, `matmul` over that row alone (computed again)."""
+    singles = [matmul(x[i : i + 1], w, scales, biases, group_size, bits) for i in range(x.shape[0])]
+    mx.eval(singles)
+    span = 0
+    for m in range(1, x.shape[0] + 1):
+        many = matmul(x[:m], w, scales, biases, group_size, bits)
+        if not mx.array_equal(many, mx.concatenate(singles[:m], axis=0)).item():
+            break
+        span = m
+    return span  # 0: not even one row repeats (a non-deterministic kernel)
