@@ -232,6 +232,7 @@ def probe(
     force: bool = False,
     exact: Op | None = None,
     timing: tuple[Op, Op] | None = None,
+    bitwise: bool = False,
 ) -> Verdict:
     """The verdict for `key`: from the cache, else measured (and cached).
 
@@ -243,6 +244,8 @@ def probe(
     from the true values than `tol`).
     `timing`, where given, is the (kernel, twin) pair that is timed instead of the two above
     (same work, called the way the caller's workload calls them).
+    `bitwise` also records whether the kernel reproduced the twin bit for bit on both draws
+    (`extra["bitwise"]`), for callers that need exactly the twin's values.
     """
     store = store if store is not None else VerdictCache()
     if not force and (hit := store.get(key)) is not None:
@@ -253,8 +256,12 @@ def probe(
         if any(out is None for out in outs):
             return Verdict(False, "no kernel for these inputs on this backend")
         bar = tol
+        same = None
         if exact is None:
-            errs = [relative_error(out, twin(*inputs)) for out, inputs in zip(outs, draws)]
+            twins = [twin(*inputs) for inputs in draws]
+            errs = [relative_error(out, ref) for out, ref in zip(outs, twins)]
+            if bitwise:
+                same = all(mx.array_equal(o, t).item() for o, t in zip(outs, twins))
         else:
             refs = [exact(*inputs) for inputs in draws]
             errs = [relative_error(out, ref) for out, ref in zip(outs, refs)]
@@ -273,7 +280,9 @@ def probe(
         reason = f"wrong values: error {err:.3g} of output scale > tolerance {bar:g}"
     else:
         reason = _speed_reason(faster, kernel_ms, twin_ms, err, min_gain)
-    extra = {} if exact is None else {"twin_err": twin_err}
+    extra: dict[str, Any] = {} if exact is None else {"twin_err": twin_err}
+    if same is not None:
+        extra["bitwise"] = same
     verdict = Verdict(err <= bar and faster, reason, kernel_ms, twin_ms, err, extra, err <= bar)
     store.put(key, verdict)
     return verdict
@@ -385,6 +394,38 @@ def probe_qmm_chunks(
     key = ProbeKey.make(sr.NAME, f"chunk{chunk}", fmt, rows, n, k, dtype_name(x_dtype))
     tol = TOLERANCE.get(dtype_name(q.output_dtype(x_dtype, s_dtype)), 1e-2)
     return probe(key, sr.chunked(chunk), sr.qmm_stock_reference, make, tol, min_gain, store, force)
+
+
+def probe_qmv_rows(
+    rows: int,
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int,
+    x_dtype: mx.Dtype,
+    s_dtype: mx.Dtype,
+    fused: int,
+    kernel: Op | None = None,
+    min_gain: float = MIN_GAIN,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """`qmv_rows` (dequantization variant `fused`) against MLX's one-row matmul, row by row:
+    correct to the tolerance, and `extra["bitwise"]` where it reproduced MLX bit for bit.
+    `kernel` replaces the real kernel (tests inject fakes); it is keyed by its own name."""
+    from dspark_flow.kernels import qmv_rows as qr
+
+    make = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)
+    if kernel is None:
+        if (why := qr.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype)) is not None:
+            return Verdict(False, why)  # declined before any timing; not cached
+        name, version, fn = qr.KERNEL_NAME, qr.KERNEL_VERSION, qr.variant(fused)
+    else:
+        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}-fused{fused}"
+    key = ProbeKey.make(name, version, fmt, rows, n, k, dtype_name(x_dtype))
+    tol = TOLERANCE.get(dtype_name(x_dtype), 1e-2)
+    return probe(key, fn, qr.qmv_rows_reference, make, tol, min_gain, store, force, bitwise=True)
 
 
 # -- the sdpa_small_q probe ----------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 
 from dspark_flow.kernels import coprefill, probe
 from dspark_flow.kernels import qmm_small_m as q
+from dspark_flow.kernels import qmv_rows as qmv
 from dspark_flow.kernels import sdpa_small_q as a
 from dspark_flow.kernels import stock_rows as sr
 from dspark_flow.pipeline import Pipeline
@@ -563,6 +564,51 @@ def test_invariant_mode_chunks_the_stock_matmul_past_its_span(monkeypatch, tiny_
     prompt = [504, 2365, 6354, 504, 2365]
     assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
     verifier.restore()
+
+
+@cpu_only
+def test_invariant_mode_takes_qmv_rows_past_the_span_only_where_it_is_bitwise(
+    monkeypatch, tiny_quantized
+):
+    # Past a stock span of 2, a rows kernel that reproduces MLX's one-row results bit for bit
+    # (here: MLX's matmul one row at a time) and is timed cheapest takes rows 3..4; one that
+    # is only close (the emulation: another summation order) is refused in both variants.
+    def exact_rows(*a):
+        return qmv.qmv_rows_reference(*a)
+
+    def timer(kernel, twin, inputs, **_):
+        return (0.5, 1.0) if kernel is exact_rows else (2.0, 1.0)
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    span_two = probe.Verdict(True, "rows 1..2", extra={"span": 2}, correct=True)
+    monkeypatch.setattr(probe, "probe_stock_span", lambda *a, **k: span_two)
+    prompt = [504, 2365, 6354, 504, 2365]
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
+    for rows_kernel, route in [
+        (exact_rows, "exact_rows"),
+        (qmv.qmv_rows_emulated, "qmm_stock_chunks"),
+    ]:
+        verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True),
+                                  kernel=q.qmm_small_m_emulated,
+                                  attention_kernel=a.sdpa_small_q_emulated,
+                                  rows_kernel=rows_kernel)  # fmt: skip
+        spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized,
+                                  verifier=verifier).warm_up()  # fmt: skip
+        assert _matmul_routes(verifier) == {("stock", "stock", route, route)}
+        tried = {(v["fused"], v["extra"].get("bitwise")) for v in verifier.verdicts
+                 if v["kernel"] == "qmv_rows"}  # fmt: skip
+        assert tried == ({(1, True)} if rows_kernel is exact_rows else {(1, False), (0, False)})
+        assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
+        verifier.restore()
+
+
+def test_qmv_rows_emulation_agrees_with_mlx_one_row_at_a_time():
+    for n, k, bits in [(1536, 576, 4), (576, 1536, 4), (192, 576, 8)]:
+        x, w, s_, b, gs, bits = _inputs(n, k, bits, rows=5)
+        ref = qmv.qmv_rows_reference(x, w, s_, b, gs, bits)
+        assert probe.relative_error(qmv.qmv_rows_emulated(x, w, s_, b, gs, bits), ref) < 1e-5
+        assert qmv.qmv_rows(x, w, s_, b, gs, bits) is None  # no CUDA here: declined
+        assert "no qmv_rows kernel" in qmv.shape_reason(5, n, k, bits, gs, mx.float32, mx.float32)
 
 
 @cpu_only

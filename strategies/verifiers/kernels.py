@@ -166,10 +166,12 @@ class _Router:
         return coprefill_qmm(x, w, s, b, module.group_size, module.bits, share)
 
 
-def _total(costs: Any) -> float:
-    """Sum of probe timings; infinite where one is missing (nothing was timed)."""
-    values = list(costs)
-    return float("inf") if any(c is None for c in values) else float(sum(values))
+def _per_token(costs: list[float | None]) -> float:
+    """A route's cost per token: its time for r rows divided by r, summed over r = 1, 2, ...;
+    infinite where a timing is missing (nothing was timed)."""
+    if any(c is None for c in costs):
+        return float("inf")
+    return float(sum(c / r for r, c in enumerate(costs, start=1)))  # type: ignore[operator]
 
 
 def _routed_linear_call(self: nn.Module, x: mx.array) -> mx.array:
@@ -250,12 +252,14 @@ class KernelVerifier(Verifier):
         config: KernelsConfig | None = None,
         kernel: Callable[..., Any] | None = None,
         attention_kernel: Callable[..., Any] | None = None,
+        rows_kernel: Callable[..., Any] | None = None,
     ):
-        """`kernel` and `attention_kernel` replace `qmm_small_m` and `sdpa_small_q` (tests
-        inject fakes; the probe still judges them)."""
+        """`kernel`, `attention_kernel` and `rows_kernel` replace `qmm_small_m`, `sdpa_small_q`
+        and `qmv_rows` (tests inject fakes; the probes still judge them)."""
         super().__init__(config)
         self._kernel = kernel
         self._attention_kernel = attention_kernel
+        self._rows_kernel = rows_kernel
         self._router: _Router | None = None
         self._swapped: list[tuple[nn.Module, type]] = []
         # (id of the model, rows probed) warmed for: pipelines may share us, and one with a
@@ -444,42 +448,84 @@ class KernelVerifier(Verifier):
     def _invariant_routes(
         self, shape: tuple[Any, ...], kernel: Callable[..., Any], verdicts: list[Any], store: Any
     ) -> list[Callable[..., Any] | None]:
-        """The cheaper of (a) the kernel for every row count, where it is correct for all of
-        them, and (b) MLX's own matmul, which computes rows 1..span as it computes one row
-        (measured: `probe_stock_span`), in chunks of `span` rows past that. The cost of a route
-        is its probe timings summed over rows 1..max_rows."""
-        from dspark_flow.kernels import stock_rows
-        from dspark_flow.kernels.probe import dtype_name, probe_qmm_chunks, probe_stock_span
+        """The cheapest route that computes every row alike, by its probe timings per token (a
+        forward of r rows timed at t ms counts t / r, summed over r = 1..max_rows):
+        (a) the kernel for every row count, where it is correct for all of them;
+        (b) MLX's own matmul for rows 1..span, which it computes as it computes one row
+            (measured: `probe_stock_span`), and past the span either `qmv_rows`, where it
+            reproduced MLX's one-row results bit for bit, or MLX's matmul in chunks of `span`
+            rows. On a tie the route with less custom code wins."""
+        from dspark_flow.kernels.probe import dtype_name, probe_stock_span
 
         n, k, bits, gs, x_dtype, s_dtype = shape
         top = self._max_rows
         where = {"n": n, "k": k, "bits": bits, "group_size": gs, "dtype": dtype_name(x_dtype)}
-        kernel_ok = all(v.correct for v in verdicts)
-        kernel_cost = _total(v.kernel_ms for v in verdicts)
         sv = probe_stock_span(top, n, k, bits, gs, x_dtype, s_dtype, store, self.config.reprobe)
         self._note("stock_row_span", sv, rows=top, **where)
         span = min(int(sv.extra.get("span", 0)), top)
-        chunks_ok, chunks_cost = span > 0, float("inf")
-        if chunks_ok:
-            costs = [v.twin_ms for v in verdicts[:span]]
-            for rows in range(span + 1, top + 1):
-                c = probe_qmm_chunks(
-                    rows, n, k, bits, gs, x_dtype, s_dtype, span, self.config.min_gain, store,
-                    self.config.reprobe,
-                )  # fmt: skip
-                self._note(stock_rows.NAME, c, **{**where, "rows": rows})
-                chunks_ok = chunks_ok and c.correct
-                costs.append(c.kernel_ms)
-            chunks_cost = _total(costs)
-        if self._progress is not None and span:
-            self._progress.update(span)  # the chunk probes a wider span made needless
-        if chunks_ok and (not kernel_ok or chunks_cost <= kernel_cost):
-            fn = stock_rows.chunked(span)
-            return [None] * (span + 1) + [fn] * (top - span)
-        if kernel_ok:
-            return [None] + [kernel] * top
+        candidates: list[tuple[float, list[Callable[..., Any] | None]]] = []
+        if span:
+            stock = [v.twin_ms for v in verdicts[:span]]
+            if span == top:
+                candidates.append((_per_token(stock), [None] * (top + 1)))
+            for fn, costs in self._past_span(shape, span, where, store):
+                candidates.append(
+                    (_per_token(stock + costs), [None] * (span + 1) + [fn] * (top - span))
+                )
+        if all(v.correct for v in verdicts):
+            candidates.append(
+                (_per_token([v.kernel_ms for v in verdicts]), [None] + [kernel] * top)
+            )
+        if candidates:
+            return min(candidates, key=lambda c: c[0])[1]  # the first of equals: less custom code
         self._not_invariant.append(f"no invariant matmul for {where}: {sv.reason}")
         return [None] + [kernel if v.enabled else None for v in verdicts]
+
+    def _past_span(
+        self, shape: tuple[Any, ...], span: int, where: dict[str, Any], store: Any
+    ) -> list[tuple[Callable[..., Any], list[float | None]]]:
+        """What can run rows span+1..max_rows exactly as MLX runs one row, with its timings:
+        MLX's matmul in chunks of `span` rows, and `qmv_rows` in the first dequantization
+        variant that is bitwise exact for all of them."""
+        from dspark_flow.kernels import qmv_rows, stock_rows
+        from dspark_flow.kernels.probe import probe_qmm_chunks, probe_qmv_rows
+
+        n, k, bits, gs, x_dtype, s_dtype = shape
+        rows = range(span + 1, self._max_rows + 1)
+        cfg = self.config
+        found: list[tuple[Callable[..., Any], list[float | None]]] = []
+        self._more_probes(len(rows))
+        chunks = []
+        for r in rows:
+            c = probe_qmm_chunks(r, n, k, bits, gs, x_dtype, s_dtype, span, cfg.min_gain, store,
+                                 cfg.reprobe)  # fmt: skip
+            self._note(stock_rows.NAME, c, **{**where, "rows": r})
+            chunks.append(c)
+        if all(c.correct for c in chunks):
+            found.append((stock_rows.chunked(span), [c.kernel_ms for c in chunks]))
+        for fused in qmv_rows.VARIANTS:
+            self._more_probes(len(rows))
+            verdicts = []
+            for r in rows:
+                v = probe_qmv_rows(r, n, k, bits, gs, x_dtype, s_dtype, fused, self._rows_kernel,
+                                   cfg.min_gain, store, cfg.reprobe)  # fmt: skip
+                self._note(qmv_rows.KERNEL_NAME, v, **{**where, "rows": r, "fused": fused})
+                verdicts.append(v)
+                if not v.extra.get("bitwise"):  # rounds differently: the other rows need no probe
+                    self._more_probes(len(verdicts) - len(rows))
+                    break
+            if len(verdicts) == len(rows) and all(v.extra.get("bitwise") for v in verdicts):
+                fn = self._rows_kernel or qmv_rows.variant(fused)
+                found.append((fn, [v.kernel_ms for v in verdicts]))
+                break
+        return found
+
+    def _more_probes(self, count: int) -> None:
+        """Grow (or shrink) the progress bar's total by probes that the probes before them
+        decided to run (or skip)."""
+        if self._progress is not None:
+            self._progress.total += count
+            self._progress.refresh()
 
     def _probe_attention(
         self, shape: tuple[int, int, int, mx.Dtype], store: Any
@@ -523,8 +569,8 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels.probe import KEY_BUCKETS
 
         per_shape = self._max_rows + (len(ROW_BUCKETS) if self.config.coprefill else 0)
-        if self._take_correct:  # the stock matmul's span, and its chunks past the span
-            per_shape += 1 + self._max_rows
+        if self._take_correct:  # the stock matmul's span (what runs past it: `_more_probes`)
+            per_shape += 1
         attention = len(KEY_BUCKETS) * self._max_rows if len(router.attention_seen) == 1 else 0
         return len(shapes) * per_shape + attention
 
