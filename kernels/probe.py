@@ -167,16 +167,20 @@ def time_pair(
 ) -> tuple[float, float]:
     """Median milliseconds per call of kernel and twin. Each trial queues `reps` calls and
     evaluates them together (launch cost included, the per-eval overhead spread thin: by
-    default enough calls for ~2 ms of twin work, 4 to 50); kernel and twin alternate so that
-    clock or thermal drift hits both alike."""
+    default enough calls for ~2 ms of the faster one's work, 4 to 50); kernel and twin
+    alternate so that clock or thermal drift hits both alike. Sized by the faster of the two:
+    sized by a slow twin, a fast kernel's few calls would carry the evaluation's own overhead
+    (on the H200: qmv_rows, 20 calls against a 0.1-0.3 ms twin, read 40-80 us)."""
     _sync(list(inputs))
     for _ in range(warmup):
         _sync([kernel(*inputs), twin(*inputs)])
     if reps is None:
-        t0 = time.perf_counter()
-        _sync([twin(*inputs) for _ in range(4)])
-        per_call = (time.perf_counter() - t0) / 4
-        reps = max(4, min(50, int(2e-3 / max(per_call, 1e-9))))
+        per_call = []
+        for fn in (kernel, twin):
+            t0 = time.perf_counter()
+            _sync([fn(*inputs) for _ in range(16)])
+            per_call.append((time.perf_counter() - t0) / 16)
+        reps = max(4, min(50, int(2e-3 / max(min(per_call), 1e-9))))
     samples: dict[int, list[float]] = {0: [], 1: []}
     for t in range(trials):
         order = (0, 1) if t % 2 == 0 else (1, 0)

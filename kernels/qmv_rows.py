@@ -62,22 +62,37 @@ _CUDA_SOURCE = r"""
 #pragma unroll
     for (int j = 0; j < EPL; ++j) sums[m][j] = 0.0f;
   }
+  // idx is a multiple of EPL = 8, so a tile's weights are whole words and its activations
+  // two 16-byte vectors where the row pointer is aligned (loads only: the sums are qmv's).
+  const bool vec = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && K % 4 == 0;
   auto tile = [&](int idx) {
     const float s = df_to_f(srow[idx / GS]);
     const float b = df_to_f(brow[idx / GS]);
+    uint32_t words[EPL * BITS / 32];
+#pragma unroll
+    for (int i = 0; i < EPL * BITS / 32; ++i) words[i] = __ldg(wrow + idx * BITS / 32 + i);
     float wd[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
-      const int e = idx + j;
-      const float q = float((wrow[e * BITS / 32] >> ((e * BITS) % 32)) & kMask);
+      const float q = float((words[j * BITS / 32] >> ((j * BITS) % 32)) & kMask);
       wd[j] = FUSED ? fmaf(q, s, b) : __fadd_rn(__fmul_rn(q, s), b);
     }
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
       if (MB == 1 || m < M) {
         const float* xm = x + size_t(m) * K + idx;
+        float xv[EPL];
+        if (vec) {
+          const float4 lo = __ldg(reinterpret_cast<const float4*>(xm));
+          const float4 hi = __ldg(reinterpret_cast<const float4*>(xm) + 1);
+          xv[0] = lo.x; xv[1] = lo.y; xv[2] = lo.z; xv[3] = lo.w;
+          xv[4] = hi.x; xv[5] = hi.y; xv[6] = hi.z; xv[7] = hi.w;
+        } else {
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) sums[m][j] = fmaf(xm[j], wd[j], sums[m][j]);
+          for (int j = 0; j < EPL; ++j) xv[j] = xm[j];
+        }
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) sums[m][j] = fmaf(xv[j], wd[j], sums[m][j]);
       }
     }
   };
