@@ -499,3 +499,45 @@ def probe_sdpa(
     twin, exact = a.sdpa_small_q_reference, a.sdpa_small_q_float64
     timing = (fresh_key_lengths(fn, keys), fresh_key_lengths(twin, keys))
     return probe(key, fn, twin, make, tol, min_gain, store, force, exact, timing)
+
+
+def probe_sdpa_rows(
+    queries: int,
+    keys: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    kernel: Op | None = None,
+    min_gain: float = MIN_GAIN,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """`sdpa_vector_rows` against MLX's attention one query row at a time: correct to the
+    tolerance, and `extra["bitwise"]` where every row reproduced MLX bit for bit. Draw 0 at the
+    bucket's key count; draw 1 at a few keys, or for buckets past MLX's one-pass limit across
+    it (rows on both sides, the kernel's split). Timed at fresh key lengths, as decoding calls
+    it. `kernel` replaces the real kernel (tests inject fakes)."""
+    from dspark_flow.kernels import sdpa_small_q as a
+    from dspark_flow.kernels import sdpa_vector_rows as sv
+
+    second = queries + 19 if keys <= sv.ONE_PASS_KEYS else sv.ONE_PASS_KEYS + max(1, queries // 2)
+    draws = {0: a.attention_inputs(queries, keys, q_heads, kv_heads, head_dim, dtype),
+             1: a.attention_inputs(queries, min(keys, second), q_heads, kv_heads, head_dim, dtype)}  # fmt: skip
+
+    def make(seed: int) -> tuple[Any, ...]:
+        q, k, v, scale, mask = draws[seed](seed)
+        return q, k, v, scale, mask if queries > 1 else None
+
+    if kernel is None:
+        if (why := sv.shape_reason(queries, q_heads, kv_heads, head_dim, dtype)) is not None:
+            return Verdict(False, why)  # declined before any timing; not cached
+        name, version, fn = sv.KERNEL_NAME, sv.KERNEL_VERSION, sv.sdpa_vector_rows_trusted
+    else:
+        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal-fresh-lengths"
+    key = ProbeKey.make(name, version, fmt, queries, keys, head_dim, dtype_name(dtype))
+    tol = TOLERANCE.get(dtype_name(dtype), 1e-2)
+    twin = sv.sdpa_vector_rows_reference
+    timing = (fresh_key_lengths(fn, keys), fresh_key_lengths(twin, keys))
+    return probe(key, fn, twin, make, tol, min_gain, store, force, timing=timing, bitwise=True)

@@ -18,6 +18,7 @@ from dspark_flow.kernels import coprefill, probe
 from dspark_flow.kernels import qmm_small_m as q
 from dspark_flow.kernels import qmv_rows as qmv
 from dspark_flow.kernels import sdpa_small_q as a
+from dspark_flow.kernels import sdpa_vector_rows as sv
 from dspark_flow.kernels import stock_rows as sr
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.verifiers.kernels import KernelsConfig, KernelVerifier
@@ -626,6 +627,68 @@ def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
     spec.warm_up()
     assert _matmul_routes(verifier) == {("qmm_small_m_emulated",) * 4}
     verifier.restore()
+
+
+@cpu_only
+def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, tiny_quantized):
+    # Route (b): MLX's own attention for one query, a vector-rows kernel for 2..max_rows where
+    # it reproduced MLX's one-row results bit for bit (here: MLX one row at a time) and is
+    # cheaper per token; an inexact one (another summation order) leaves route (a).
+    def exact_rows(q_, k_, v_, scale, mask=None):
+        return sv.sdpa_vector_rows_reference(q_, k_, v_, scale, mask)
+
+    def timer(kernel, twin, inputs, **_):
+        return (0.5, 1.0) if getattr(kernel, "__wrapped_fn__", None) is exact_rows else (2.0, 1.0)
+
+    real_fresh = probe.fresh_key_lengths
+
+    def fresh(fn, keys):  # keep a handle on the function the timing wraps
+        call = real_fresh(fn, keys)
+        call.__wrapped_fn__ = fn
+        return call
+
+    monkeypatch.setattr(probe, "fresh_key_lengths", fresh)
+    monkeypatch.setattr(probe, "time_pair", timer)
+    prompt = [504, 2365, 6354, 504, 2365]
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
+    for rows_kernel, want in [
+        (exact_rows, "exact_rows"),
+        (a.sdpa_small_q_emulated, "sdpa_small_q_emulated"),
+    ]:
+        verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True),
+                                  kernel=q.qmm_small_m_emulated,
+                                  attention_kernel=a.sdpa_small_q_emulated,
+                                  vector_rows_kernel=rows_kernel)  # fmt: skip
+        spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized,
+                                  verifier=verifier).warm_up()  # fmt: skip
+        routes = verifier._router.attention.by_rows
+        first = None if rows_kernel is exact_rows else "sdpa_small_q_emulated"
+        assert {tuple(fn and fn.__name__ for fn in fns[1:]) for fns in routes.values()} == {
+            (first, want, want, want)
+        }
+        assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
+        verifier.restore()
+
+
+def test_vector_rows_split_causal_rows_at_the_one_pass_limit(monkeypatch):
+    # MLX picks one pass or two by the key count of the call, so a causal verify whose rows see
+    # 1,021..1,028 keys goes in two calls: rows seeing <= 1,024 keys, then the rest.
+    calls = []
+
+    def one_call(q_, k_, v_, scale, causal):
+        calls.append((q_.shape[2], k_.shape[2]))
+        return sv.sdpa_vector_rows_reference(q_, k_, v_, scale, "causal" if causal else None)
+
+    monkeypatch.setattr(sv, "_one_call", one_call)
+    q_, k_, v_, scale, _ = a.attention_inputs(8, 1028, *HEADS, mx.float32)(0)
+    out = sv.sdpa_vector_rows_trusted(q_, k_, v_, scale, "causal")
+    assert calls == [(4, 1024), (4, 1028)]
+    assert mx.array_equal(out, sv.sdpa_vector_rows_reference(q_, k_, v_, scale, "causal")).item()
+    calls.clear()
+    sv.sdpa_vector_rows_trusted(q_[:, :, :3], k_[:, :, :900], v_[:, :, :900], scale, "causal")
+    sv.sdpa_vector_rows_trusted(q_, k_, v_, scale, None)  # no mask: every row sees all keys
+    assert calls == [(3, 900), (8, 1028)]
+    assert sv.sdpa_vector_rows(q_, k_, v_, scale, "causal") is None  # no CUDA here
 
 
 def test_attention_is_timed_over_fresh_key_lengths(monkeypatch, kernel_cache):

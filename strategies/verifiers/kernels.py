@@ -99,7 +99,8 @@ class _AttentionRoute:
     the query counts enabled for the kernel per key-length bucket (bit r set: r queries)."""
 
     shape: tuple[int, int, int, mx.Dtype]
-    rows_masks: dict[int, int] = field(default_factory=dict)
+    # per key bucket, the attention for each query count (index r; None: the stock path)
+    by_rows: dict[int, list[Callable[..., Any] | None]] = field(default_factory=dict)
     open_ended: bool = False  # invariant: contexts past the last bucket take its verdicts too
 
 
@@ -112,7 +113,6 @@ class _Router:
         self.recording: dict[int, mx.Dtype] | None = None
         self.routes: dict[int, _Route] = {}  # by id(module)
         self.calls = 0  # matmuls that took a kernel (for reports and tests)
-        self.attention_kernel: Callable[..., Any] | None = None
         self.attention: _AttentionRoute | None = None
         self.attention_seen: set[tuple[int, int, int, mx.Dtype]] = set()  # while recording
         self.attention_calls = 0
@@ -137,11 +137,12 @@ class _Router:
         bucket = key_bucket(keys)
         if bucket is None and route.open_ended:  # the kernel is correct at any length
             bucket = KEY_BUCKETS[-1]
-        if bucket is None or not route.rows_masks.get(bucket, 0) >> rows & 1:
+        fns = route.by_rows.get(bucket) if bucket is not None else None
+        fn = fns[rows] if fns is not None and rows < len(fns) else None
+        if fn is None:
             return None
         self.attention_calls += 1
-        assert self.attention_kernel is not None
-        return self.attention_kernel(q, k, v, scale, mask)
+        return fn(q, k, v, scale, mask)
 
     def matmul(self, module: nn.Module, x: mx.array) -> mx.array | None:
         if self.recording is not None:
@@ -253,13 +254,16 @@ class KernelVerifier(Verifier):
         kernel: Callable[..., Any] | None = None,
         attention_kernel: Callable[..., Any] | None = None,
         rows_kernel: Callable[..., Any] | None = None,
+        vector_rows_kernel: Callable[..., Any] | None = None,
     ):
-        """`kernel`, `attention_kernel` and `rows_kernel` replace `qmm_small_m`, `sdpa_small_q`
-        and `qmv_rows` (tests inject fakes; the probes still judge them)."""
+        """`kernel`, `attention_kernel`, `rows_kernel` and `vector_rows_kernel` replace
+        `qmm_small_m`, `sdpa_small_q`, `qmv_rows` and `sdpa_vector_rows` (tests inject fakes;
+        the probes still judge them)."""
         super().__init__(config)
         self._kernel = kernel
         self._attention_kernel = attention_kernel
         self._rows_kernel = rows_kernel
+        self._vector_rows_kernel = vector_rows_kernel
         self._router: _Router | None = None
         self._swapped: list[tuple[nn.Module, type]] = []
         # (id of the model, rows probed) warmed for: pipelines may share us, and one with a
@@ -348,7 +352,6 @@ class KernelVerifier(Verifier):
 
     def _warm_up(self, ctx: BuildContext) -> None:
         from dspark_flow.kernels import qmm_small_m as q
-        from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import VerdictCache
 
         cfg = self.config
@@ -359,7 +362,6 @@ class KernelVerifier(Verifier):
             log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
         router = _Router(self._max_rows)
-        router.attention_kernel = self._attention_kernel or a.sdpa_small_q_trusted
         self._swap(layers)
         for name in attention_modules:
             _wrap_attention(name, id(self))
@@ -395,9 +397,7 @@ class KernelVerifier(Verifier):
         self._progress = None
         if router.attention is None:
             _unwrap_attention(id(self))
-        wrong = self._not_invariant + [
-            v["reason"] for v in self.verdicts if v["kernel"] == "sdpa_small_q" and not v["correct"]
-        ]
+        wrong = self._not_invariant
         if self._take_correct and wrong:
             log.warning("kernels verifier: not invariant, some shapes keep the stock path",
                         shapes=len(wrong), reason=wrong[0])  # fmt: skip
@@ -413,8 +413,8 @@ class KernelVerifier(Verifier):
                 self._compile_row_counts(ctx.model, router)
             rows_on = sorted({r for rt in router.routes.values() for r in rt.rows_on()})
             attention_on = {
-                bucket: [r for r in range(17) if mask >> r & 1]
-                for bucket, mask in (router.attention.rows_masks if router.attention else {}).items()
+                bucket: [r for r, fn in enumerate(fns) if fn is not None]
+                for bucket, fns in (router.attention.by_rows if router.attention else {}).items()
             }  # fmt: skip
             log.info("kernels verifier: kernels enabled", layers=len(keep), rows=rows_on,
                      attention_queries_by_keys=attention_on)  # fmt: skip
@@ -530,23 +530,75 @@ class KernelVerifier(Verifier):
     def _probe_attention(
         self, shape: tuple[int, int, int, mx.Dtype], store: Any
     ) -> _AttentionRoute | None:
-        """Probe the attention for 1..max_rows queries in every key-length bucket."""
+        """Probe the attention for 1..max_rows queries in every key-length bucket. Outside
+        invariant mode `sdpa_small_q` takes the query counts where it is faster; in invariant
+        mode one route for every bucket (a verify's rows may straddle two), the cheaper per token
+        of (a) `sdpa_small_q` for every query count, where it is correct for all, and (b) MLX's
+        own attention for one query and `sdpa_vector_rows` for 2..max_rows, where it reproduced
+        MLX's one-row results bit for bit in every bucket."""
+        from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
 
         hq, hkv, d, dtype = shape
+        top = self._max_rows
+        kernel = self._attention_kernel or a.sdpa_small_q_trusted
         route = _AttentionRoute(shape)
+        verdicts: dict[int, list[Any]] = {}
         for bucket in KEY_BUCKETS:
-            for rows in range(1, self._max_rows + 1):
+            for rows in range(1, top + 1):
                 v = probe_sdpa(
                     rows, bucket, hq, hkv, d, dtype, self._attention_kernel, self.config.min_gain,
                     store, self.config.reprobe,
                 )  # fmt: skip
                 self._note("sdpa_small_q", v, rows=rows, keys=bucket, q_heads=hq, kv_heads=hkv,
                            head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
-                if self._take(v):
-                    route.rows_masks[bucket] = route.rows_masks.get(bucket, 0) | 1 << rows
-        route.open_ended = self._take_correct
-        return route if route.rows_masks else None
+                verdicts.setdefault(bucket, []).append(v)
+        if not self._take_correct:
+            for bucket, vs in verdicts.items():
+                if any(v.enabled for v in vs):
+                    route.by_rows[bucket] = [None] + [kernel if v.enabled else None for v in vs]
+            return route if route.by_rows else None
+        route.open_ended = True
+        candidates: list[tuple[float, dict[int, list[Callable[..., Any] | None]]]] = []
+        rows_route = self._vector_rows_route(shape, verdicts, store)
+        if rows_route is not None:
+            candidates.append(rows_route)
+        if all(v.correct for vs in verdicts.values() for v in vs):
+            cost = sum(_per_token([v.kernel_ms for v in vs]) for vs in verdicts.values())
+            candidates.append((cost, {b: [None] + [kernel] * top for b in verdicts}))
+        if not candidates:
+            self._not_invariant.append("no invariant attention: " + next(
+                v.reason for vs in verdicts.values() for v in vs if not v.correct))  # fmt: skip
+            return None
+        route.by_rows = min(candidates, key=lambda c: c[0])[1]  # the first of equals
+        return route
+
+    def _vector_rows_route(
+        self, shape: tuple[int, int, int, mx.Dtype], verdicts: dict[int, list[Any]], store: Any
+    ) -> tuple[float, dict[int, list[Callable[..., Any] | None]]] | None:
+        """Route (b) of `_probe_attention` with its cost per token, or None where
+        `sdpa_vector_rows` is not bitwise exact for every query count of every bucket."""
+        from dspark_flow.kernels import sdpa_vector_rows as sv
+        from dspark_flow.kernels.probe import dtype_name, probe_sdpa_rows
+
+        hq, hkv, d, dtype = shape
+        top = self._max_rows
+        fn = self._vector_rows_kernel or sv.sdpa_vector_rows_trusted
+        cost = 0.0
+        for bucket, vs in verdicts.items():
+            costs = [vs[0].twin_ms]  # one query: MLX's own vector kernel
+            self._more_probes(top - 1)
+            for rows in range(2, top + 1):
+                v = probe_sdpa_rows(rows, bucket, hq, hkv, d, dtype, self._vector_rows_kernel,
+                                    self.config.min_gain, store, self.config.reprobe)  # fmt: skip
+                self._note(sv.KERNEL_NAME, v, rows=rows, keys=bucket, q_heads=hq, kv_heads=hkv,
+                           head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
+                if not v.extra.get("bitwise"):
+                    self._more_probes(rows - top)  # the rest of this bucket need not run
+                    return None
+                costs.append(v.kernel_ms)
+            cost += _per_token(costs)
+        return cost, {b: [None, None] + [fn] * (top - 1) for b in verdicts}
 
     def _probe_coprefill(self, router, group, n, k, bits, gs, x_dtype, s_dtype, store) -> None:
         from dspark_flow.kernels.coprefill import ROW_BUCKETS, probe_coprefill
@@ -573,10 +625,6 @@ class KernelVerifier(Verifier):
             per_shape += 1
         attention = len(KEY_BUCKETS) * self._max_rows if len(router.attention_seen) == 1 else 0
         return len(shapes) * per_shape + attention
-
-    def _take(self, v: Any) -> bool:
-        """Whether a probed shape takes the kernel: faster and correct, or (invariant) correct."""
-        return v.enabled or (self._take_correct and v.correct)
 
     def _note(self, kernel: str, v: Any, **shape: Any) -> None:
         self.verdicts.append({"kernel": kernel, **shape, **v.to_json(), "cached": v.cached})
