@@ -292,6 +292,14 @@ def probe(
     return verdict
 
 
+def _identity(kernel: Op | None, real: tuple[str, str, Op]) -> tuple[str, str, Op]:
+    """Key name, version and function of what is probed: the real kernel, or an injected one
+    (tests inject fakes), keyed by its own name."""
+    if kernel is None:
+        return real
+    return f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+
+
 # -- the qmm_small_m probe -----------------------------------------------------------------
 
 
@@ -332,12 +340,12 @@ def probe_qmm(
     from dspark_flow.kernels import qmm_small_m as q
 
     make = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)
-    if kernel is None:
-        if (why := q.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype)) is not None:
-            return Verdict(False, why)  # declined before any timing; not cached
-        name, version, fn = q.KERNEL_NAME, q.KERNEL_VERSION, q.qmm_small_m
-    else:
-        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    if (
+        kernel is None
+        and (why := q.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype)) is not None
+    ):
+        return Verdict(False, why)  # declined before any timing; not cached
+    name, version, fn = _identity(kernel, (q.KERNEL_NAME, q.KERNEL_VERSION, q.qmm_small_m))
     fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
     key = ProbeKey.make(name, version, fmt, rows, n, k, dtype_name(x_dtype))
     out_dtype = dtype_name(q.output_dtype(x_dtype, s_dtype))
@@ -420,12 +428,12 @@ def probe_qmv_rows(
     from dspark_flow.kernels import qmv_rows as qr
 
     make = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)
-    if kernel is None:
-        if (why := qr.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype)) is not None:
-            return Verdict(False, why)  # declined before any timing; not cached
-        name, version, fn = qr.KERNEL_NAME, qr.KERNEL_VERSION, qr.variant(fused)
-    else:
-        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    if (
+        kernel is None
+        and (why := qr.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype)) is not None
+    ):
+        return Verdict(False, why)  # declined before any timing; not cached
+    name, version, fn = _identity(kernel, (qr.KERNEL_NAME, qr.KERNEL_VERSION, qr.variant(fused)))
     fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}-fused{fused}"
     key = ProbeKey.make(name, version, fmt, rows, n, k, dtype_name(x_dtype))
     tol = TOLERANCE.get(dtype_name(x_dtype), 1e-2)
@@ -486,13 +494,10 @@ def probe_sdpa(
         q, k, v, scale, mask = (full if seed == 0 else short)(seed)
         return q, k, v, scale, mask if queries > 1 else None
 
-    if kernel is None:
-        why = a.shape_reason(queries, q_heads, kv_heads, head_dim, dtype, True, keys)
-        if why is not None:
-            return Verdict(False, why)  # declined before any timing; not cached
-        name, version, fn = a.KERNEL_NAME, a.KERNEL_VERSION, a.sdpa_small_q
-    else:
-        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    why = a.shape_reason(queries, q_heads, kv_heads, head_dim, dtype, True, keys)
+    if kernel is None and why is not None:
+        return Verdict(False, why)  # declined before any timing; not cached
+    name, version, fn = _identity(kernel, (a.KERNEL_NAME, a.KERNEL_VERSION, a.sdpa_small_q))
     fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal-fresh-lengths"
     key = ProbeKey.make(name, version, fmt, queries, keys, head_dim, dtype_name(dtype))
     tol = TOLERANCE.get(dtype_name(dtype), 1e-2)
@@ -529,12 +534,14 @@ def probe_sdpa_rows(
         q, k, v, scale, mask = draws[seed](seed)
         return q, k, v, scale, mask if queries > 1 else None
 
-    if kernel is None:
-        if (why := sv.shape_reason(queries, q_heads, kv_heads, head_dim, dtype)) is not None:
-            return Verdict(False, why)  # declined before any timing; not cached
-        name, version, fn = sv.KERNEL_NAME, sv.KERNEL_VERSION, sv.sdpa_vector_rows_trusted
-    else:
-        name, version, fn = f"injected:{getattr(kernel, '__name__', 'kernel')}", "injected", kernel
+    if (
+        kernel is None
+        and (why := sv.shape_reason(queries, q_heads, kv_heads, head_dim, dtype)) is not None
+    ):
+        return Verdict(False, why)  # declined before any timing; not cached
+    name, version, fn = _identity(
+        kernel, (sv.KERNEL_NAME, sv.KERNEL_VERSION, sv.sdpa_vector_rows_trusted)
+    )
     fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal-fresh-lengths"
     key = ProbeKey.make(name, version, fmt, queries, keys, head_dim, dtype_name(dtype))
     tol = TOLERANCE.get(dtype_name(dtype), 1e-2)

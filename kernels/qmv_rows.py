@@ -33,9 +33,6 @@ import mlx.core as mx
 from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
 
 KERNEL_NAME = "qmv_rows"
-MAX_ROWS = 16
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
 ELEMS_PER_LANE = 8  # qmv's elems_per_thread for float32 activations
 VARIANTS = (1, 0)  # 1: dequantize with a fused multiply-add (what nvcc makes of qmv's), 0: not
 _WARPS = 4  # per block; one warp per output column
@@ -137,23 +134,18 @@ def shape_reason(
     s_dtype: mx.Dtype,
     backend: str | None = None,
 ) -> str | None:
-    """Why `qmv_rows` would decline this shape, or None when the kernel would run."""
+    """Why `qmv_rows` would decline this shape, or None when the kernel would run: CUDA and
+    float32 activations only, else `qmm_small_m`'s limits (format, rows, K, dtypes)."""
+    from dspark_flow.kernels import qmm_small_m
+
     backend = backend if backend is not None else kernel_backend()
     if backend is None:
         from dspark_flow.models.backend import backend_name
 
         return f"no {KERNEL_NAME} kernel for the {backend_name()} backend"
-    if bits not in BITS or group_size not in GROUP_SIZES:
-        return f"unsupported format: bits={bits}, group_size={group_size}"
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows is outside 1..{MAX_ROWS}"
-    if k % group_size or n < 1:
-        return f"K={k} is not a multiple of the group size {group_size}"
     if x_dtype != mx.float32:
         return f"activations {x_dtype}: the kernel repeats qmv's float32 arithmetic only"
-    if s_dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        return f"unsupported scales dtype {s_dtype}"
-    return None
+    return qmm_small_m.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype, backend)
 
 
 def _kernel() -> Any:
@@ -239,15 +231,9 @@ def qmv_rows_reference(
     bits: int,
 ) -> mx.array:
     """The twin: MLX's quantized matmul, one row at a time."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    parts = [
-        mx.quantized_matmul(
-            rows[i : i + 1], w, scales, biases, transpose=True, group_size=group_size, bits=bits
-        )
-        for i in range(rows.shape[0])
-    ]
-    return mx.concatenate(parts, axis=0).reshape(*lead, w.shape[0])
+    from dspark_flow.kernels.stock_rows import qmm_stock_chunked
+
+    return qmm_stock_chunked(x, w, scales, biases, group_size, bits, chunk=1)
 
 
 def qmv_rows_emulated(

@@ -34,9 +34,6 @@ import mlx.core as mx
 from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
 
 KERNEL_NAME = "sdpa_vector_rows"
-MAX_QUERIES = 16
-HEAD_DIMS = (64, 96, 128)
-FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ONE_PASS_KEYS = 1024  # MLX: more keys than this take the two-pass kernels
 
 _CUDA_HEADER = CUDA_FLOAT_CONVERSIONS + "#include <cooperative_groups/reduce.h>\n"
@@ -61,10 +58,9 @@ _KEY_UPDATE = r"""
       for (int j = 0; j < VPT; ++j) o[j] = o[j] * factor + exp_score * df_to_f(vp[(VPT * lane + j) * v_strides[3]]);
 """
 
-# Template constants: T (q, k, v and output dtype), D (head dim), CAUSAL. One block of 32 warps
-# per (head, query row, batch): grid (H * 1024, L, B).
-_ONE_PASS = (
-    r"""
+# What both passes begin with: sizes, the warp and lane, then (after the pointers) the scaled
+# query in registers and an empty accumulator.
+_PROLOGUE = r"""
   constexpr int VPT = D / 32;
   const int H = q_shape[1];
   const int L = q_shape[2];
@@ -74,14 +70,8 @@ _ONE_PASS = (
   auto warp = cg::tiled_partition<32>(block);
   const int lane = warp.thread_rank();
   const int w = warp.meta_group_rank();
-  const int h = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
-  __shared__ float outputs[32][33];
-  __shared__ float max_scores[32];
-  __shared__ float sum_exp_scores[32];
-  const float scale_log2 = float(double(scale[0]) * 1.44269504088896340736);
-  const T* qp = q + b * q_strides[0] + h * q_strides[1] + row * q_strides[2];
-  const T* kp = k + b * k_strides[0] + (h / gqa) * k_strides[1] + w * k_strides[2];
-  const T* vp = v + b * v_strides[0] + (h / gqa) * v_strides[1] + w * v_strides[2];
+"""
+_QUERY_INIT = r"""
   float qs[VPT], o[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
@@ -90,6 +80,24 @@ _ONE_PASS = (
   }
   float max_score = -3.402823466e+38f;
   float sum_exp_score = 0.f;
+"""
+
+# Template constants: T (q, k, v and output dtype), D (head dim), CAUSAL. One block of 32 warps
+# per (head, query row, batch): grid (H * 1024, L, B).
+_ONE_PASS = (
+    _PROLOGUE
+    + r"""
+  const int h = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
+  __shared__ float outputs[32][33];
+  __shared__ float max_scores[32];
+  __shared__ float sum_exp_scores[32];
+  const float scale_log2 = float(double(scale[0]) * 1.44269504088896340736);
+  const T* qp = q + b * q_strides[0] + h * q_strides[1] + row * q_strides[2];
+  const T* kp = k + b * k_strides[0] + (h / gqa) * k_strides[1] + w * k_strides[2];
+  const T* vp = v + b * v_strides[0] + (h / gqa) * v_strides[1] + w * v_strides[2];
+"""
+    + _QUERY_INIT
+    + r"""
   for (int i = w; i < kL; i += 32) {
     if (!CAUSAL || i <= kL - L + row) {
 """
@@ -128,16 +136,8 @@ _ONE_PASS = (
 # Pass 1 of 2: 32 blocks of 8 warps per (head, row, batch), grid (H * 256, L, B * 32); block c
 # takes keys c*8 + w, then every 256th. Writes its partial output, sum and max.
 _TWO_PASS_1 = (
-    r"""
-  constexpr int VPT = D / 32;
-  const int H = q_shape[1];
-  const int L = q_shape[2];
-  const int kL = k_shape[2];
-  const int gqa = H / k_shape[1];
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
-  const int lane = warp.thread_rank();
-  const int w = warp.meta_group_rank();
+    _PROLOGUE
+    + r"""
   const int h = blockIdx.x, row = blockIdx.y, b = blockIdx.z / 32, c = blockIdx.z % 32;
   __shared__ float outputs[8][33];
   __shared__ float max_scores[8];
@@ -148,14 +148,9 @@ _TWO_PASS_1 = (
   const T* kp = k + b * k_strides[0] + (h / gqa) * k_strides[1] + first * k_strides[2];
   const T* vp = v + b * v_strides[0] + (h / gqa) * v_strides[1] + first * v_strides[2];
   const size_t p = ((size_t(b) * H + h) * L + row) * 32 + c;
-  float qs[VPT], o[VPT];
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) {
-    qs[j] = scale_log2 * df_to_f(qp[(VPT * lane + j) * q_strides[3]]);
-    o[j] = 0.f;
-  }
-  float max_score = -3.402823466e+38f;
-  float sum_exp_score = 0.f;
+"""
+    + _QUERY_INIT
+    + r"""
   for (int i = first; i < kL; i += 256) {
     if (!CAUSAL || i <= kL - L + row) {
 """
@@ -254,21 +249,17 @@ def shape_reason(
     queries: int, q_heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype,
     backend: str | None = None,
 ) -> str | None:  # fmt: skip
-    """Why `sdpa_vector_rows` would decline this shape, or None when the kernel would run."""
+    """Why `sdpa_vector_rows` would decline this shape, or None when the kernel would run: CUDA
+    only, else `sdpa_small_q`'s limits (queries, head dim, head grouping, dtype)."""
+    from dspark_flow.kernels import sdpa_small_q
+
     backend = backend if backend is not None else kernel_backend()
     if backend is None:
         from dspark_flow.models.backend import backend_name
 
         return f"no {KERNEL_NAME} kernel for the {backend_name()} backend"
-    if not 1 <= queries <= MAX_QUERIES:
-        return f"{queries} queries is outside 1..{MAX_QUERIES}"
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim} is not one of {HEAD_DIMS}"
-    if kv_heads < 1 or q_heads % kv_heads:
-        return f"{q_heads} query heads do not group over {kv_heads} key/value heads"
-    if dtype not in FLOAT_DTYPES:
-        return f"unsupported dtype {dtype}"
-    return None
+    return sdpa_small_q.shape_reason(queries, q_heads, kv_heads, head_dim, dtype, False, None,
+                                     backend)  # fmt: skip
 
 
 def _kernel(name: str) -> Any:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from dspark_flow.kernels.qmm_small_m import qmm_small_m_reference as qmm_stock_reference
+
 NAME = "qmm_stock_chunks"
 
 
@@ -60,20 +62,6 @@ def chunked(chunk: int):
         return qmm_stock_chunked(x, w, scales, biases, group_size, bits, chunk)
 
     return qmm_stock_chunks
-
-
-def qmm_stock_reference(
-    x: mx.array,
-    w: mx.array,
-    scales: mx.array,
-    biases: mx.array | None,
-    group_size: int,
-    bits: int,
-) -> mx.array:
-    """The twin: MLX's quantized matmul on all rows at once."""
-    return mx.quantized_matmul(
-        x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
-    )
 
 
 def invariant_span(
