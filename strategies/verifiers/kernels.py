@@ -7,7 +7,10 @@ the tied output head), runs one recording forward to learn each layer's activati
 attention's heads and dtype, then probes every verify shape (rows 1..max_rows: by default the
 most the pipeline's drafter can ask, its largest draft + 1, and 16 in invariant mode) of every distinct
 layer shape and every query count of the attention (per key-length bucket); verdicts are cached
-per machine. Layers are rerouted by swapping their class to a subclass whose matmul asks the
+per machine. In invariant mode each layer shape, and the attention, take one route for every
+row count that computes each row alike (MLX's own kernels where the probe finds them
+row-invariant, `qmv_rows`/`sdpa_vector_rows` past that where bitwise equal to them, or the
+kernels above), the cheapest per token. Layers are rerouted by swapping their class to a subclass whose matmul asks the
 router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
 model modules call (the wrapper passes through to the original unless a router is active;
 `restore()` undoes both). The router is active only inside this verifier's `forward`, so
@@ -95,8 +98,8 @@ class _Route:
 
 @dataclass(slots=True)
 class _AttentionRoute:
-    """The attention shape the model runs (query heads, key/value heads, head dim, dtype) and
-    the query counts enabled for the kernel per key-length bucket (bit r set: r queries)."""
+    """The attention shape the model runs (query heads, key/value heads, head dim, dtype) and,
+    per key-length bucket, what each query count runs."""
 
     shape: tuple[int, int, int, mx.Dtype]
     # per key bucket, the attention for each query count (index r; None: the stock path)
@@ -425,8 +428,8 @@ class KernelVerifier(Verifier):
     def _matmul_routes(self, shape: tuple[Any, ...], store: Any) -> list[Callable[..., Any] | None]:
         """Probe rows 1..max_rows of one layer shape; the matmul for each row count (index r;
         None: the stock path). Outside invariant mode the kernel where it is faster; in
-        invariant mode one of two routes that compute every row alike, whichever the probes
-        timed cheaper over all row counts (`_invariant_routes`)."""
+        invariant mode the route, among those that compute every row alike, that the probes
+        timed cheapest per token (`_invariant_routes`)."""
         from dspark_flow.kernels import qmm_small_m as q
         from dspark_flow.kernels.probe import dtype_name, probe_qmm
 
