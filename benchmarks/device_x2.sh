@@ -296,12 +296,13 @@ case "${1:-}" in
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9
     # prompts on 2026-11-30, after a 100-130 s warm-up pass). One trial could not resolve 5%
-    # there: DRAFTERS=dspark gives one drafter the whole call.
+    # there: DRAFTERS=dspark gives one drafter the whole call. STICKY=0.05 adds `auto` with that
+    # switch_margin beside the plain one (benchmarks §3: does changing shapes cost on CUDA?).
     v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     set -- ${DRAFTERS:-dspark dflash}
     while [ $# -gt 0 ]; do
-      sweep $1 "${TRIALS:-6}" $(( $(upto 20) / $# + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128
+      sweep $1 "${TRIALS:-6}" $(( $(upto 20) / $# + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 ${STICKY:+--sticky $STICKY}
       shift
     done
     ;;

@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="{}",
         help="with --replay: JSON of `auto` settings to try, e.g. '{\"probe_cost\": 0.05}'",
     )
+    p.add_argument(
+        "--sticky",
+        type=float,
+        metavar="MARGIN",
+        help="also run `auto` with this switch_margin (keep the previous k unless another is "
+        "this fraction faster), as the strategy 'auto sticky'",
+    )
     args = p.parse_args(argv)
     if args.draft_vocab and args.drafter == "lookup":
         p.error("--draft-vocab is for the trained drafters (dspark, dflash), not lookup")
@@ -220,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         recipes[f"fixed k={k}"] = {"drafter": section, "draft_cap": {"kind": "fixed", "k": k}}
     recipes["calibrated"] = {"drafter": section, "draft_cap": {"kind": "calibrated"}}
     recipes["auto"] = {"drafter": section, "draft_cap": {"kind": "auto"}}
+    if args.sticky:
+        recipes["auto sticky"] = {
+            "drafter": section,
+            "draft_cap": {"kind": "auto", "switch_margin": args.sticky},
+        }
     if args.verifier:
         import yaml
 
@@ -281,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 + "\n\n"
             )
         if traces:
-            table += replay_report(traces, curves, ks, block=block)
+            table += replay_report(traces, curves, ks, block=block, sticky=args.sticky)
         header = (
             f"command: {' '.join(sys.argv)}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
@@ -363,6 +375,7 @@ def replay_report(
     ks: list[int],
     auto: dict[str, Any] | None = None,
     block: int | None = None,
+    sticky: float | None = None,
 ) -> str:
     """The strategies replayed on recorded drafts (see the module docstring), rendered like
     the measured tables: each strategy visits the prompts in order, its state carried along."""
@@ -379,6 +392,9 @@ def replay_report(
     caps.update({f"fixed k={k}": FixedCap(FixedCapConfig(k=k)) for k in ks})
     caps["calibrated"] = CalibratedCap(CalibratedCapConfig(), curves=curves)
     caps["auto"] = AutoCap(AutoCapConfig(**(auto or {})), curves=curves)
+    if sticky:
+        config = AutoCapConfig(**{**(auto or {}), "switch_margin": sticky})
+        caps["auto sticky"] = AutoCap(config, curves=curves)
     runs = [DraftTrace.from_dict(t) for t in traces]
     prompts = [(t.category, "") for t in runs]
     names = list(caps)
@@ -412,7 +428,11 @@ def replay_only(args: argparse.Namespace) -> int:
     curves = Curves.from_dict(source.get("curves", source))
     ks = [k for k in data.get("ks", []) if k <= curves.block] or list(range(1, curves.block + 1))
     block = min(data.get("block") or curves.block, curves.block)
-    print(replay_report(data["traces"], curves, ks, json.loads(args.auto), block=block))
+    print(
+        replay_report(
+            data["traces"], curves, ks, json.loads(args.auto), block=block, sticky=args.sticky
+        )
+    )
     return 0
 
 
@@ -471,6 +491,9 @@ def summarize(
         }
         for c in cats
     }
+    if "auto sticky" in speed:
+        for c in cats:
+            checks[c]["sticky_vs_best_fixed"] = speed["auto sticky"][c] / speed[best[c]][c]
     return speed, checks
 
 
@@ -496,7 +519,10 @@ def render(
         ("auto_vs_best_fixed", "auto / best fixed (goal >= 0.95)"),
         ("auto_vs_greedy", "auto / greedy (goal >= 0.97)"),
         ("calibrated_vs_best_fixed", "calibrated / best fixed"),
+        ("sticky_vs_best_fixed", "auto sticky / best fixed"),
     ):
+        if key not in checks[cats[0]]:
+            continue
         lines.append(f"| {label} | " + " | ".join(f"{checks[c][key]:.3f}" for c in cats) + " |")
     ks = [", ".join(f"{k}:{n}" for k, n in sorted(auto_k.get(c, Counter()).items())) for c in cats]
     lines.append("| auto's k (k:rounds) | " + " | ".join(ks) + " |")

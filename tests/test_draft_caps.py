@@ -196,6 +196,24 @@ def test_the_choice_follows_the_formula(name, cost, p, k):
     assert cap.choose(None) == k and cap.choose(2) == min(k, 2)
 
 
+def test_a_switch_margin_keeps_the_previous_k_while_it_is_nearly_as_good():
+    # Affine curve at p = 0.8: k = 3 is best (1.687), k = 4 within 0.5% (1.681), k = 2 3.5%
+    # behind (1.627), k = 1 15% behind (1.44).
+    curves = synthetic(lambda K: 1 + 0.25 * (K - 1))
+    assert best_plan(curves, 0.8, 64, 16).k == 3
+    assert best_plan(curves, 0.8, 64, 16, keep=2, margin=0.05).k == 2
+    assert best_plan(curves, 0.8, 64, 16, keep=1, margin=0.05).k == 3  # too far behind
+    assert best_plan(curves, 0.8, 64, 16, keep=2, margin=0.0).k == 3  # no margin: the best
+    sticky = AutoCap(AutoCapConfig(acceptance=0.8, switch_margin=0.05), curves=curves)
+    plain = AutoCap(AutoCapConfig(acceptance=0.8), curves=curves)
+    rng = random.Random(1)
+    switches = []
+    for cap in (plain, sticky):
+        ks = [k for k, _ in geometric_rounds(cap, rng, 0.8, 400, 16)]
+        switches.append(sum(a != b for a, b in zip(ks, ks[1:])))
+    assert switches[1] < switches[0]
+
+
 def test_the_choice_uses_the_verify_cost_at_the_current_depth():
     # Shallow: flat (draft the block); deep: linear (draft 1); in between, interpolated.
     curves = Curves(
@@ -462,6 +480,9 @@ def test_the_benchmark_replays_recorded_drafts_against_other_curves(tmp_path):
     assert "| fixed k=8 |" in here.stdout
     assert auto_vs_greedy(here.stdout) > 1.5  # free verification: drafting wins big
     assert 0.97 <= auto_vs_greedy(there.stdout) <= 1.0  # nothing to win: auto stays off
+    sticky = run("--sticky", "0.05")
+    assert sticky.returncode == 0, sticky.stderr
+    assert "| auto sticky |" in sticky.stdout and "| auto sticky / best fixed |" in sticky.stdout
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps(_curves(flat)))
     failed = subprocess.run(

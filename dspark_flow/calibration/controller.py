@@ -100,13 +100,19 @@ def best_plan(
     max_k: int,
     p_first: float | None = None,
     survival: list[float] | None = None,
+    keep: int | None = None,
+    margin: float = 0.0,
 ) -> Plan:
-    """The k >= 1 (when max_k >= 1) with the highest expected tokens per second."""
+    """The k >= 1 (when max_k >= 1) with the highest expected tokens per second; or `keep`
+    (the previous round's k), where that is expected within `margin` of the best."""
     table = plan_table(curves, p, depth, max_k, p_first, survival)
     best = table[1] if len(table) > 1 else table[0]
     for plan in table[2:]:
         if plan.gain > best.gain * (1.0 + TOLERANCE):
             best = plan
+    kept = table[keep] if keep is not None and 1 <= keep < len(table) else None
+    if kept is not None and margin > 0 and kept.gain >= best.gain * (1.0 - margin):
+        return kept
     return best
 
 
@@ -155,6 +161,14 @@ class AdaptiveCapConfig(CurveCapConfig):
         description="switch drafting off only when at least this sure (Beta posterior of the "
         "first position's acceptance) that it does not pay",
     )
+    switch_margin: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="keep the previous round's k unless another is expected to be faster by "
+        "more than this fraction (for backends where a change of verify shape costs more than "
+        "the curves show; 0: always the best)",
+    )
     probe_k: int = Field(2, ge=1, description="draft length of a probe round")
     probe_cost: float = Field(
         0.02,
@@ -179,7 +193,7 @@ class CurveCap(DraftCap):
         self.chosen: Counter[int] = Counter()  # k per round, for reports
         self._off_rounds = 0
         self._single_rounds = 0  # rounds planned at one token since the last two-token probe
-        self._plans: dict[tuple[float, float, int, int], Plan] = {}
+        self._plans: dict[tuple[float, float, int, int, int | None], Plan] = {}
         self._lengths: LengthEstimator | None = None  # made once the block is known
         self._last_k = 0
         cfg = self.config
@@ -277,14 +291,20 @@ class CurveCap(DraftCap):
         if optimistic:  # the first position as high as the evidence still plausibly allows
             p_first = self.estimator.first.upper(getattr(self.config, "off_confidence", 0.9))
         limit = self.limit(drafter_max)
+        margin = getattr(self.config, "switch_margin", 0.0)
+        keep = self._last_k if margin > 0 and self._last_k > 0 else None
         if (lengths := self.lengths) is not None:
-            return best_plan(self.curves, p, self.depth, limit, p_first, lengths.survival())
+            return best_plan(
+                self.curves, p, self.depth, limit, p_first, lengths.survival(), keep, margin
+            )
         # Rounds repeat the same situation often; the table costs ~k interpolations.
-        key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit)
+        key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit, keep)
         if (found := self._plans.get(key)) is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            found = self._plans[key] = best_plan(self.curves, p, self.depth, limit, p_first)
+            found = self._plans[key] = best_plan(
+                self.curves, p, self.depth, limit, p_first, None, keep, margin
+            )
         return found
 
     def choose(self, drafter_max: int | None) -> int:
