@@ -4,7 +4,8 @@ so that each row comes out bit for bit as MLX computes it for a single row.
 Why: the verifier's invariant mode needs a token's logits not to depend on how many tokens one
 forward holds. On CUDA, MLX computes 1..7 float32 rows with its qmv kernel, which is
 row-invariant and cheaper per call than any custom kernel (benchmarks §4), and switches to a
-tiled GEMM at 8 rows, which rounds differently (kernels/stock_rows.py measures where). Past that
+tiled GEMM at 8 rows where K is a multiple of max(64, group size) (the embedded model's
+shapes), which rounds differently; kernels/stock_rows.py measures where, per shape. Past that
 point this kernel repeats qmv's arithmetic for every row, loading each weight once for all of
 them: lane l of the warp that owns an output column takes elements l*8 .. l*8+7 of every
 256-element step, dequantizes them as `q * scale + bias`, keeps one float32 partial sum per
@@ -26,6 +27,7 @@ No Metal kernel: MLX's Metal qmv is another algorithm, whose rounding this one d
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import Any
 
 import mlx.core as mx
@@ -111,8 +113,6 @@ _CUDA_SOURCE = r"""
   }
 """
 
-# Part of every probe key: editing the kernel invalidates its cached verdicts.
-KERNEL_VERSION = hashlib.sha256((_CUDA_HEADER + _CUDA_SOURCE).encode()).hexdigest()[:12]
 
 _kernels: dict[str, Any] = {}
 
@@ -263,3 +263,10 @@ def qmv_rows_emulated(
     prod = xs.reshape(m, 1, steps, 32, ELEMS_PER_LANE) * wd.reshape(1, n, steps, 32, ELEMS_PER_LANE)
     per_lane = prod.sum(axis=2).sum(axis=-1)  # over steps, then the eight elements
     return per_lane.sum(axis=-1).reshape(*lead, n)
+
+
+# Part of every probe key: editing the kernel or its launch invalidates the cached verdicts (a
+# stale "bitwise" would be trusted by the invariant mode).
+KERNEL_VERSION = hashlib.sha256(
+    (_CUDA_HEADER + _CUDA_SOURCE + inspect.getsource(_launch)).encode()
+).hexdigest()[:12]

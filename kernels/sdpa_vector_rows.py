@@ -1,9 +1,11 @@
 """`sdpa_vector_rows`: MLX's CUDA "vector" attention arithmetic for any number of query rows, so
 that each row comes out bit for bit as MLX computes it for that row alone.
 
-Why: MLX's CUDA attention runs its fused vector kernel for fewer than 4 queries and something
-else from 4 on (cuDNN, or for float32 an unfused composite in TF32), so on the stock path a
-verify of 4 or more tokens gives logits that differ from one-token decoding. The vector kernel
+Why: for float32 (the embedded model's native 4-bit form computes in float32) MLX's CUDA
+attention runs its fused vector kernel for fewer than 4 queries and an unfused composite in
+TF32 from 4 on, so on the stock path a verify of 4 or more tokens gives logits that differ from
+one-token decoding. (Half precision goes to cuDNN first, even for one query over a cache
+slice, so this kernel is for float32 only: there the stock path is not the vector kernel.) The vector kernel
 itself computes every query row independently (grid.y is the row); only its dispatch stops at
 3. This module repeats its arithmetic for 1..16 rows: one pass (a block of 32 warps per head
 and row, warp w taking keys w, w+32, ...; an online softmax per warp in base 2; the warps
@@ -19,14 +21,15 @@ mode takes this kernel only where it is exact. Written against MLX 0.32's CUDA s
 RUN on a device (docs/kernels.md).
 
 Implementations: `sdpa_vector_rows_reference` (the twin: MLX's attention one query row at a time,
-over that row's causal keys), `sdpa_vector_rows` (the dispatcher: CUDA only, else None).
-The plain-MLX emulation of the arithmetic is `sdpa_small_q_emulated` (float32 online softmax):
-same values to rounding.
+over that row's causal keys), `sdpa_vector_rows` (the dispatcher: CUDA and float32 only, else
+None). No plain-MLX emulation of this summation order: the twin is the exact reference, and the
+CPU tests check the Python side (the pass split) against it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import Any
 
 import mlx.core as mx
@@ -229,10 +232,6 @@ _TWO_PASS_2 = r"""
   }
 """
 
-# Part of every probe key: editing a kernel invalidates its cached verdicts.
-KERNEL_VERSION = hashlib.sha256(
-    (_CUDA_HEADER + _ONE_PASS + _TWO_PASS_1 + _TWO_PASS_2).encode()
-).hexdigest()[:12]
 
 _kernels: dict[str, Any] = {}
 _scales: dict[float, mx.array] = {}
@@ -250,7 +249,7 @@ def shape_reason(
     backend: str | None = None,
 ) -> str | None:  # fmt: skip
     """Why `sdpa_vector_rows` would decline this shape, or None when the kernel would run: CUDA
-    only, else `sdpa_small_q`'s limits (queries, head dim, head grouping, dtype)."""
+    and float32 only, else `sdpa_small_q`'s limits (queries, head dim, head grouping)."""
     from dspark_flow.kernels import sdpa_small_q
 
     backend = backend if backend is not None else kernel_backend()
@@ -258,6 +257,8 @@ def shape_reason(
         from dspark_flow.models.backend import backend_name
 
         return f"no {KERNEL_NAME} kernel for the {backend_name()} backend"
+    if dtype != mx.float32:
+        return f"{dtype}: MLX's stock attention is cuDNN there, not the vector kernel"
     return sdpa_small_q.shape_reason(queries, q_heads, kv_heads, head_dim, dtype, False, None,
                                      backend)  # fmt: skip
 
@@ -357,3 +358,13 @@ def sdpa_vector_rows_reference(
             q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], scale=scale, mask=None
         ))  # fmt: skip
     return mx.concatenate(outs, axis=2)
+
+
+# Part of every probe key: editing the kernels, their launch or the pass split invalidates the
+# cached verdicts (a stale "bitwise" would be trusted by the invariant mode).
+KERNEL_VERSION = hashlib.sha256(
+    "".join(
+        [_CUDA_HEADER, _ONE_PASS, _TWO_PASS_1, _TWO_PASS_2, str(ONE_PASS_KEYS)]
+        + [inspect.getsource(f) for f in (_one_call, sdpa_vector_rows_trusted)]
+    ).encode()
+).hexdigest()[:12]

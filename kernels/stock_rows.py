@@ -4,7 +4,8 @@ which its kernel computes every row alike.
 Why: the verifier's invariant mode needs a token's logits not to depend on how many tokens
 one forward holds. MLX's CUDA backend runs a per-row kernel (qmv) for a few rows and a tiled
 GEMM from some row count on (8 rows for float32 activations in MLX 0.32), whose sums round
-differently. Up to that count the stock matmul is invariant already, and cheaper per call
+differently (where K is a multiple of max(64, group size); otherwise qmv runs for every row
+count). Up to that count the stock matmul is invariant already, and cheaper per call
 than a custom kernel (measured on the H200, benchmarks §4); past it, the rows are split into
 chunks of that size, each run by the per-row kernel, so every row is computed exactly as in
 a one-row forward.

@@ -204,6 +204,8 @@ def test_a_switch_margin_keeps_the_previous_k_while_it_is_nearly_as_good():
     assert best_plan(curves, 0.8, 64, 16, keep=2, margin=0.05).k == 2
     assert best_plan(curves, 0.8, 64, 16, keep=1, margin=0.05).k == 3  # too far behind
     assert best_plan(curves, 0.8, 64, 16, keep=2, margin=0.0).k == 3  # no margin: the best
+    # never kept where that would turn drafting off although the best k pays
+    assert best_plan(curves, 0.8, 64, 16, keep=2, margin=0.05, keep_floor=1.65).k == 3
     sticky = AutoCap(AutoCapConfig(acceptance=0.8, switch_margin=0.05), curves=curves)
     plain = AutoCap(AutoCapConfig(acceptance=0.8), curves=curves)
     rng = random.Random(1)

@@ -123,6 +123,33 @@ def test_widened_scales_give_bitwise_the_same_logits(model_dir):
     assert widen_scales_to_activations(model) == 0  # nothing left to widen
 
 
+def test_widening_leaves_fp_quantized_layers_alone():
+    # mxfp4 layers take uint8 scales as they are; only affine layers with floating scales widen.
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from dspark_flow.models.scales import widen_scales_to_activations
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 64)
+            self.fp4 = nn.QuantizedLinear(64, 64, group_size=32, bits=4, mode="mxfp4")
+            self.affine = nn.QuantizedLinear(64, 64, group_size=32, bits=4)
+
+        def __call__(self, ids):
+            return self.affine(self.fp4(self.embed(ids)))
+
+    model = Tiny()
+    model.affine.scales = model.affine.scales.astype(mx.float16)
+    model.affine.biases = model.affine.biases.astype(mx.float16)
+    fp4_scales = model.fp4.scales.dtype
+    before = model(mx.array([[1, 2]]))
+    assert widen_scales_to_activations(model) == 1
+    assert model.fp4.scales.dtype == fp4_scales and model.affine.scales.dtype == mx.float32
+    assert mx.array_equal(model(mx.array([[1, 2]])), before).item()
+
+
 @pytest.mark.slow
 def test_greedy_matches_mlx_lm_generate(native, native_run):
     from mlx_lm.generate import stream_generate

@@ -102,16 +102,18 @@ def best_plan(
     survival: list[float] | None = None,
     keep: int | None = None,
     margin: float = 0.0,
+    keep_floor: float = 0.0,
 ) -> Plan:
     """The k >= 1 (when max_k >= 1) with the highest expected tokens per second; or `keep`
-    (the previous round's k), where that is expected within `margin` of the best."""
+    (the previous round's k), where that is expected within `margin` of the best and its gain
+    is at least `keep_floor` (so keeping a k never turns drafting off where the best pays)."""
     table = plan_table(curves, p, depth, max_k, p_first, survival)
     best = table[1] if len(table) > 1 else table[0]
     for plan in table[2:]:
         if plan.gain > best.gain * (1.0 + TOLERANCE):
             best = plan
     kept = table[keep] if keep is not None and 1 <= keep < len(table) else None
-    if kept is not None and margin > 0 and kept.gain >= best.gain * (1.0 - margin):
+    if kept is not None and margin > 0 and kept.gain >= max(best.gain * (1 - margin), keep_floor):
         return kept
     return best
 
@@ -196,6 +198,7 @@ class CurveCap(DraftCap):
         self._plans: dict[tuple[float, float, int, int, int | None], Plan] = {}
         self._lengths: LengthEstimator | None = None  # made once the block is known
         self._last_k = 0
+        self._planned_k = 0  # the last k chosen from the plan (not a probe): what a margin keeps
         cfg = self.config
         self.estimator = AcceptanceEstimator(
             prior=cfg.acceptance,
@@ -292,10 +295,11 @@ class CurveCap(DraftCap):
             p_first = self.estimator.first.upper(getattr(self.config, "off_confidence", 0.9))
         limit = self.limit(drafter_max)
         margin = getattr(self.config, "switch_margin", 0.0)
-        keep = self._last_k if margin > 0 and self._last_k > 0 else None
+        keep = self._planned_k if margin > 0 and self._planned_k > 0 else None
+        floor = getattr(self.config, "min_gain", 1.0)
         if (lengths := self.lengths) is not None:
             return best_plan(
-                self.curves, p, self.depth, limit, p_first, lengths.survival(), keep, margin
+                self.curves, p, self.depth, limit, p_first, lengths.survival(), keep, margin, floor
             )
         # Rounds repeat the same situation often; the table costs ~k interpolations.
         key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit, keep)
@@ -303,7 +307,7 @@ class CurveCap(DraftCap):
             if len(self._plans) > 4096:
                 self._plans.clear()
             found = self._plans[key] = best_plan(
-                self.curves, p, self.depth, limit, p_first, None, keep, margin
+                self.curves, p, self.depth, limit, p_first, None, keep, margin, floor
             )
         return found
 
@@ -324,6 +328,7 @@ class CurveCap(DraftCap):
         min_gain = getattr(cfg, "min_gain", 1.0)
         if plan.gain >= min_gain or self._unsure_it_loses(drafter_max, min_gain):
             self._off_rounds = 0
+            self._planned_k = plan.k  # the probe of two below does not count as a choice
             if plan.k != 1 or limit < 2:
                 self._single_rounds = 0
                 return plan.k
@@ -337,7 +342,7 @@ class CurveCap(DraftCap):
             return 1
         # Plain decoding is expected to be faster; still draft a little now and then, since the
         # estimate only moves on rounds that draft.
-        self._single_rounds = 0
+        self._single_rounds = self._planned_k = 0
         self._off_rounds += 1
         every = self._probe_every(limit)
         if every is not None and self._off_rounds >= every:

@@ -64,9 +64,11 @@ class KernelsConfig(StrategyConfig):
     attention: bool = Field(True, description="route verify-side attention (sdpa_small_q)")
     invariant: bool = Field(
         False,
-        description="take the kernels for every row count 1..max_rows where they are correct, "
-        "faster or not: a token's logits then do not depend on how many tokens one forward "
-        "holds, so speculation reproduces this verifier's own greedy output bit for bit",
+        description="give every layer and the attention one route for all row counts "
+        "1..max_rows that computes each row alike (MLX's own kernels within their measured "
+        "invariant span, bitwise twins of them past it, or our kernels), the cheapest per token: "
+        "a token's logits then do not depend on how many tokens one forward holds, so "
+        "speculation reproduces this verifier's own greedy output bit for bit",
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
@@ -482,7 +484,7 @@ class KernelVerifier(Verifier):
         if candidates:
             return min(candidates, key=lambda c: c[0])[1]  # the first of equals: less custom code
         self._not_invariant.append(f"no invariant matmul for {where}: {sv.reason}")
-        return [None] + [kernel if v.enabled else None for v in verdicts]
+        return [None] * (top + 1)  # one path for every row count at least: the stock one
 
     def _past_span(
         self, shape: tuple[Any, ...], span: int, where: dict[str, Any], store: Any
