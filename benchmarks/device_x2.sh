@@ -276,8 +276,11 @@ case "${1:-}" in
     # end here: solo-e2e runs it one pipeline at a time). The whole call: on 2026-11-30 the
     # first CUDA compile and the probes took 235 s, and 200 s less than this cut the curve.
     # The sweeps calibrate their own curves (~45 s each) when they run.
+    # KTARGETS (default the two 4-bit verifiers; "all" adds the bf16 pair, whose attention
+    # probes took 60-85 s) picks the targets beside the stock baseline.
     CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
-      --trials 0 --budget $(upto 30) --out /tmp/kern > $O/kernels.log 2>&1 || ended $? "kernels_device"
+      --trials 0 --budget $(upto 30) --targets "${KTARGETS:-4bit-kernels,4bit-invariant}" \
+      --out /tmp/kern > $O/kernels.log 2>&1 || ended $? "kernels_device"
     for f in kernels.json kernels.md kernels_cost.png verdicts.json; do cp /tmp/kern/$f $O/kernels-$f 2>/dev/null; done
     grep -E "\(b\) K=(1|2|4|8|16) " $O/kernels.log
     ;;

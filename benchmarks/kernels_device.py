@@ -472,6 +472,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--dense", help="dense comparison's format (bfloat16; float32 on a CPU)")
+    ap.add_argument("--targets", default="all",
+                    help="comma list of 4bit-kernels, 4bit-invariant, dense, dense-kernels "
+                    "(4bit-stock always runs: the baseline); fewer targets, fewer probes")  # fmt: skip
     ap.add_argument("--shapes", action="store_true", help="also sweep 4/8-bit and half shapes")
     ap.add_argument("--replot", help="draw kernels_cost.png from this kernels.json and exit")
     args = ap.parse_args()
@@ -508,6 +511,11 @@ def main() -> None:
     plan = {"4bit-stock": ("native", None), "4bit-kernels": ("native", KernelsConfig()),
             "4bit-invariant": ("native", KernelsConfig(invariant=True)),
             "dense": (args.dense, None), "dense-kernels": (args.dense, KernelsConfig())}  # fmt: skip
+    if args.targets != "all":
+        wanted = {"4bit-stock", *args.targets.split(",")}
+        if unknown := wanted - set(plan):
+            ap.error(f"unknown targets {sorted(unknown)}; choose from {sorted(plan)}")
+        plan = {name: spec for name, spec in plan.items() if name in wanted}
     targets: dict[str, tuple[Any, Any, Any]] = {}
     data["verdicts"] = {}
     for name, (weights, config) in plan.items():
@@ -537,7 +545,7 @@ def main() -> None:
     def by(share: float) -> float:
         return start + left * share * stretch
 
-    if args.shapes:
+    if args.shapes and "4bit-kernels" in targets:
         kern = targets["4bit-kernels"]
         seen = {(v["n"], v["k"], getattr(mx, v["dtype"])) for v in data["verdicts"]["4bit-kernels"]
                 if v["kernel"] == "qmm_small_m"}  # fmt: skip
