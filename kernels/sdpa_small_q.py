@@ -1,7 +1,8 @@
 """Verify-side attention for 1..16 queries: `softmax(q·kᵀ·scale + causal) · v` in one launch.
 
-Why: MLX's CUDA attention has a fused kernel for fewer than 4 queries (the "vector" kernel) and
-uses cuDNN from 4 queries on, but cuDNN takes only float16/bfloat16. The embedded model's
+Why: MLX's CUDA attention uses cuDNN where it can (float16/bfloat16: from 2 queries, and for
+one query over 256 or more cached keys) and otherwise its fused "vector" kernel for fewer than
+4 queries; cuDNN takes only float16/bfloat16. The embedded model's
 native 4-bit form computes in float32 (its GGUF norms are float32), so from 4 queries on every
 layer falls back to the unfused composite (a matmul, a mask, a softmax, a matmul: several
 launches and two cuBLAS calls per layer), which is where the 4-bit verify cost steps up at
