@@ -21,6 +21,7 @@ from dspark_flow.kernels.probe import (
     ProbeKey,
     Verdict,
     VerdictCache,
+    affine_format,
     dtype_name,
     qmm_inputs,
     rejudged,
@@ -87,7 +88,7 @@ def probe_coprefill(
     if (why := unavailable_reason()) is not None:
         return Verdict(False, why)
     store = store if store is not None else VerdictCache()
-    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    fmt = affine_format(bits, group_size, s_dtype)
     key = ProbeKey.make(NAME, VERSION, fmt, rows, n, k, dtype_name(x_dtype))
     if not force and (hit := store.get(key)) is not None:
         return rejudged(hit, min_gain)

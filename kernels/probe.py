@@ -321,6 +321,11 @@ def qmm_inputs(
     return make
 
 
+def affine_format(bits: int, group_size: int, s_dtype: mx.Dtype) -> str:
+    """The weight-format part of a probe key, e.g. "affine-b4-g32-float16"."""
+    return f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+
+
 def probe_qmm(
     rows: int,
     n: int,
@@ -346,7 +351,7 @@ def probe_qmm(
     ):
         return Verdict(False, why)  # declined before any timing; not cached
     name, version, fn = _identity(kernel, (q.KERNEL_NAME, q.KERNEL_VERSION, q.qmm_small_m))
-    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    fmt = affine_format(bits, group_size, s_dtype)
     key = ProbeKey.make(name, version, fmt, rows, n, k, dtype_name(x_dtype))
     out_dtype = dtype_name(q.output_dtype(x_dtype, s_dtype))
     tol = TOLERANCE.get(out_dtype, 1e-2)
@@ -369,7 +374,7 @@ def probe_stock_span(
     on two random draws (the smaller span counts); cached like the kernels' verdicts."""
     from dspark_flow.kernels import stock_rows as sr
 
-    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    fmt = affine_format(bits, group_size, s_dtype)
     key = ProbeKey.make("stock_row_span", "1", fmt, max_rows, n, k, dtype_name(x_dtype))
     store = store if store is not None else VerdictCache()
     if not force and (hit := store.get(key)) is not None:
@@ -407,7 +412,7 @@ def probe_qmm_chunks(
     from dspark_flow.kernels import stock_rows as sr
 
     make = qmm_inputs(rows, n, k, bits, group_size, x_dtype, s_dtype)
-    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}"
+    fmt = affine_format(bits, group_size, s_dtype)
     key = ProbeKey.make(sr.NAME, f"chunk{chunk}", fmt, rows, n, k, dtype_name(x_dtype))
     tol = TOLERANCE.get(dtype_name(q.output_dtype(x_dtype, s_dtype)), 1e-2)
     return probe(key, sr.chunked(chunk), sr.qmm_stock_reference, make, tol, min_gain, store, force)
@@ -439,7 +444,7 @@ def probe_qmv_rows(
     ):
         return Verdict(False, why)  # declined before any timing; not cached
     name, version, fn = _identity(kernel, (qr.KERNEL_NAME, qr.KERNEL_VERSION, qr.variant(fused)))
-    fmt = f"affine-b{bits}-g{group_size}-{dtype_name(s_dtype)}-fused{fused}"
+    fmt = f"{affine_format(bits, group_size, s_dtype)}-fused{fused}"
     key = ProbeKey.make(name, version, fmt, rows, n, k, dtype_name(x_dtype))
     tol = TOLERANCE.get(dtype_name(x_dtype), 1e-2)
     return probe(key, fn, qr.qmv_rows_reference, make, tol, min_gain, store, force, bitwise=True)
@@ -473,6 +478,24 @@ def fresh_key_lengths(fn: Op, keys: int) -> Op:
     return call
 
 
+def _attention_draws(
+    queries: int, keys: int, second: int, q_heads: int, kv_heads: int, head_dim: int,
+    dtype: mx.Dtype,
+) -> Callable[[int], tuple[Any, ...]]:  # fmt: skip
+    """make(seed): draw 0 (also timed) over `keys` keys, draw 1 over min(keys, `second`); one
+    query goes without a mask, as mlx-lm calls it."""
+    from dspark_flow.kernels import sdpa_small_q as a
+
+    draws = [a.attention_inputs(queries, n, q_heads, kv_heads, head_dim, dtype)
+             for n in (keys, min(keys, second))]  # fmt: skip
+
+    def make(seed: int) -> tuple[Any, ...]:
+        q, k, v, scale, mask = draws[seed](seed)
+        return q, k, v, scale, mask if queries > 1 else None
+
+    return make
+
+
 def probe_sdpa(
     queries: int,
     keys: int,
@@ -490,15 +513,8 @@ def probe_sdpa(
     Values are checked at `keys`; the timing walks over fresh key lengths (`fresh_key_lengths`)."""
     from dspark_flow.kernels import sdpa_small_q as a
 
-    full = a.attention_inputs(queries, keys, q_heads, kv_heads, head_dim, dtype)
-    short = a.attention_inputs(queries, min(keys, queries + 19), q_heads, kv_heads, head_dim, dtype)
-
-    def make(seed: int) -> tuple[Any, ...]:
-        # Draw 0 (also timed) at the bucket's length; draw 1 at a few keys, where some warps
-        # of the kernel have no key at all. One query goes without a mask, as mlx-lm calls it.
-        q, k, v, scale, mask = (full if seed == 0 else short)(seed)
-        return q, k, v, scale, mask if queries > 1 else None
-
+    # Draw 1 at a few keys, where some warps of the kernel have no key at all.
+    make = _attention_draws(queries, keys, queries + 19, q_heads, kv_heads, head_dim, dtype)
     why = a.shape_reason(queries, q_heads, kv_heads, head_dim, dtype, True, keys)
     if kernel is None and why is not None:
         return Verdict(False, why)  # declined before any timing; not cached
@@ -528,17 +544,10 @@ def probe_sdpa_rows(
     bucket's key count; draw 1 at a few keys, or for buckets past MLX's one-pass limit across
     it (rows on both sides, the kernel's split). Timed at fresh key lengths, as decoding calls
     it. `kernel` replaces the real kernel (tests inject fakes)."""
-    from dspark_flow.kernels import sdpa_small_q as a
     from dspark_flow.kernels import sdpa_vector_rows as sv
 
     second = queries + 19 if keys <= sv.ONE_PASS_KEYS else sv.ONE_PASS_KEYS + max(1, queries // 2)
-    draws = {0: a.attention_inputs(queries, keys, q_heads, kv_heads, head_dim, dtype),
-             1: a.attention_inputs(queries, min(keys, second), q_heads, kv_heads, head_dim, dtype)}  # fmt: skip
-
-    def make(seed: int) -> tuple[Any, ...]:
-        q, k, v, scale, mask = draws[seed](seed)
-        return q, k, v, scale, mask if queries > 1 else None
-
+    make = _attention_draws(queries, keys, second, q_heads, kv_heads, head_dim, dtype)
     if (
         kernel is None
         and (why := sv.shape_reason(queries, q_heads, kv_heads, head_dim, dtype)) is not None
