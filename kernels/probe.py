@@ -527,6 +527,49 @@ def probe_sdpa(
     return probe(key, fn, twin, make, tol, min_gain, store, force, exact, timing)
 
 
+def _rows_draw_keys(queries: int, keys: int) -> int:
+    """The second draw's key count for the probes of MLX's one-query arithmetic: a few keys,
+    or for buckets past MLX's one-pass limit across it (rows on both sides)."""
+    from dspark_flow.kernels import sdpa_vector_rows as sv
+
+    return queries + 19 if keys <= sv.ONE_PASS_KEYS else sv.ONE_PASS_KEYS + max(1, queries // 2)
+
+
+def probe_sdpa_stock_span(
+    max_queries: int,
+    keys: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """How many causal query rows (of 1..max_queries) MLX's own attention computes exactly as
+    it computes one, in this key bucket on this machine: `extra["span"]`
+    (`sdpa_vector_rows.stock_span`, the smaller over the two draws); cached like the kernels'
+    verdicts."""
+    from dspark_flow.kernels import sdpa_vector_rows as sv
+
+    fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal"
+    key = ProbeKey.make("sdpa_stock_span", "1", fmt, max_queries, keys, head_dim, dtype_name(dtype))
+    store = store if store is not None else VerdictCache()
+    if not force and (hit := store.get(key)) is not None:
+        return hit
+    second = _rows_draw_keys(max_queries, keys)
+    make = _attention_draws(max_queries, keys, second, q_heads, kv_heads, head_dim, dtype)
+    try:
+        span = min(sv.stock_span(*make(seed)[:4]) for seed in (0, 1))
+    except Exception as e:  # an attention that fails here refuses the route, not the warm-up
+        verdict = Verdict(False, f"stock attention failed: {type(e).__name__}: {str(e)[:300]}")
+        store.put(key, verdict)
+        return verdict
+    reason = f"query rows 1..{span} computed as one row is" if span else "not deterministic"
+    verdict = Verdict(span > 0, reason, extra={"span": span}, correct=span > 0)
+    store.put(key, verdict)
+    return verdict
+
+
 def probe_sdpa_rows(
     queries: int,
     keys: int,
@@ -546,8 +589,9 @@ def probe_sdpa_rows(
     it. `kernel` replaces the real kernel (tests inject fakes)."""
     from dspark_flow.kernels import sdpa_vector_rows as sv
 
-    second = queries + 19 if keys <= sv.ONE_PASS_KEYS else sv.ONE_PASS_KEYS + max(1, queries // 2)
-    make = _attention_draws(queries, keys, second, q_heads, kv_heads, head_dim, dtype)
+    make = _attention_draws(
+        queries, keys, _rows_draw_keys(queries, keys), q_heads, kv_heads, head_dim, dtype
+    )
     if (
         kernel is None
         and (why := sv.shape_reason(queries, q_heads, kv_heads, head_dim, dtype)) is not None

@@ -345,19 +345,49 @@ def sdpa_vector_rows(
     return sdpa_vector_rows_trusted(q, k, v, scale, mask)
 
 
+def _mlx_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
 def sdpa_vector_rows_reference(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = None
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = None, attention=None
 ) -> mx.array:
     """The twin: MLX's attention for one query row at a time, over the keys that row sees (all
-    of them without a mask; the first keys - rows + i + 1 with the causal mask)."""
+    of them without a mask; the first keys - rows + i + 1 with the causal mask). `attention`
+    replaces MLX's (tests)."""
+    attention = attention or _mlx_attention
     rows, keys = q.shape[2], k.shape[2]
     outs = []
     for i in range(rows):
         seen = keys - rows + i + 1 if mask is not None else keys
-        outs.append(mx.fast.scaled_dot_product_attention(
-            q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], scale=scale, mask=None
-        ))  # fmt: skip
+        outs.append(attention(q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], scale, None))
     return mx.concatenate(outs, axis=2)
+
+
+def stock_span(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, attention=_mlx_attention
+) -> int:
+    """The largest M (0..rows of q) such that for every M' <= M MLX's attention over the first
+    M' query rows, causal over the keys those rows see, equals MLX's one-query calls (the twin)
+    bit for bit. Up to that count the invariant mode needs no kernel: on CUDA MLX computes a
+    few float32 query rows with its vector kernel, one row as it computes one (benchmarks §4:
+    stock forwards of 2 and 3 tokens were bitwise equal to one-token ones).
+
+    Row i of an M'-row call is query i over keys - rows + M' keys, so it sees the keys it sees
+    in the full problem: the twin's rows, computed once, serve every M'. `attention` replaces
+    MLX's (tests)."""
+    rows, keys = q.shape[2], k.shape[2]
+    singles = sdpa_vector_rows_reference(q, k, v, scale, "causal", attention)
+    mx.eval(singles)
+    span = 0
+    for m in range(1, rows + 1):
+        seen = keys - rows + m
+        mask = "causal" if m > 1 else None  # one query goes without a mask, as in mlx-lm
+        many = attention(q[:, :, :m], k[:, :, :seen], v[:, :, :seen], scale, mask)
+        if not mx.array_equal(many, singles[:, :, :m]).item():
+            break
+        span = m
+    return span  # 0: not even one row repeats (a non-deterministic kernel)
 
 
 # Part of every probe key: editing the kernels, their launch or the pass split invalidates the

@@ -531,8 +531,8 @@ def _matmul_routes(verifier: KernelVerifier) -> set[tuple[str, ...]]:
 def test_invariant_mode_takes_the_stock_matmul_where_it_is_invariant_and_cheaper(
     monkeypatch, tiny_quantized
 ):
-    # The kernels are correct but slower; MLX's CPU matmul computes 1..4 rows alike (measured
-    # by the probe), so it stays, and only the attention takes its (slower) kernel.
+    # The kernels are correct but slower; MLX's CPU matmul and attention compute 1..4 rows
+    # alike at this model's shapes (measured by the probes), so both stay stock.
     monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
     verifier = _emulated_verifier(max_rows=4, invariant=True)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
@@ -544,7 +544,9 @@ def test_invariant_mode_takes_the_stock_matmul_where_it_is_invariant_and_cheaper
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
     prompt = [504, 2365, 6354, 504, 2365]
     assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
-    assert verifier.kernel_calls == 0 and verifier.attention_calls > 0
+    attention_spans = [v for v in verifier.verdicts if v["kernel"] == "sdpa_stock_span"]
+    assert attention_spans and all(v["extra"]["span"] == 4 for v in attention_spans)
+    assert verifier.kernel_calls == 0 and verifier.attention_calls == 0
     verifier.restore()
 
 
@@ -631,9 +633,10 @@ def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
 
 @cpu_only
 def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, tiny_quantized):
-    # Route (b): MLX's own attention for one query, a vector-rows kernel for 2..max_rows where
-    # it reproduced MLX's one-row results bit for bit (here: MLX one row at a time) and is
-    # cheaper per token; an inexact one (another summation order) leaves route (a).
+    # Route (b): MLX's own attention for the query counts it computes as one (its span: one
+    # or two here, stubbed), a vector-rows kernel past them where it reproduced MLX's one-row
+    # results bit for bit (here: MLX one row at a time) and is cheaper per token; an inexact one
+    # (another summation order) leaves route (a).
     def exact_rows(q_, k_, v_, scale, mask=None):
         return sv.sdpa_vector_rows_reference(q_, k_, v_, scale, mask)
 
@@ -649,12 +652,17 @@ def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, t
 
     monkeypatch.setattr(probe, "fresh_key_lengths", fresh)
     monkeypatch.setattr(probe, "time_pair", timer)
+    span = {"span": 1}  # how many query rows MLX's attention computes as one (measured on CUDA)
+    monkeypatch.setattr(probe, "probe_sdpa_stock_span", lambda *a_, **k_: probe.Verdict(
+        True, "stubbed", extra=dict(span), correct=True))  # fmt: skip
     prompt = [504, 2365, 6354, 504, 2365]
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
-    for rows_kernel, want in [
-        (exact_rows, "exact_rows"),
-        (a.sdpa_small_q_emulated, "sdpa_small_q_emulated"),
+    for rows_kernel, want, stock_rows in [
+        (exact_rows, ("exact_rows",) * 3, 1),
+        (a.sdpa_small_q_emulated, ("sdpa_small_q_emulated",) * 3, 1),
+        (exact_rows, (None, "exact_rows", "exact_rows"), 2),  # MLX's own for 1..2 queries
     ]:
+        span["span"] = stock_rows
         verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True),
                                   kernel=q.qmm_small_m_emulated,
                                   attention_kernel=a.sdpa_small_q_emulated,
@@ -664,10 +672,43 @@ def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, t
         routes = verifier._router.attention.by_rows
         first = None if rows_kernel is exact_rows else "sdpa_small_q_emulated"
         assert {tuple(fn and fn.__name__ for fn in fns[1:]) for fns in routes.values()} == {
-            (first, want, want, want)
+            (first, *want)
         }
         assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
         verifier.restore()
+
+
+def test_attention_stock_span_finds_where_query_rows_start_to_differ(monkeypatch):
+    q_, k_, v_, scale, _ = a.attention_inputs(6, 300, *HEADS, mx.float32)(0)
+    mlx = a.sdpa_small_q_reference
+    row_by_row = sv.sdpa_vector_rows_reference  # every query count computed as one row is
+
+    def composite_from_three(q_, k_, v_, scale, mask):  # another sum order from 3 queries on
+        out = row_by_row(q_, k_, v_, scale, mask)
+        return out * (1 + 1e-6) if q_.shape[2] >= 3 else out
+
+    calls = iter(range(10**6))
+
+    def not_deterministic(q_, k_, v_, scale, mask):
+        return row_by_row(q_, k_, v_, scale, mask) + next(calls) * 1e-7
+
+    assert sv.stock_span(q_, k_, v_, scale, row_by_row) == 6
+    assert sv.stock_span(q_, k_, v_, scale, composite_from_three) == 2
+    assert sv.stock_span(q_, k_, v_, scale, not_deterministic) == 0
+    span = sv.stock_span(q_, k_, v_, scale)  # MLX's own, on this machine
+    assert 1 <= span <= 6
+    # Its meaning, checked independently: `span` causal rows in one call equal the one-row calls.
+    seen = 300 - 6 + span
+    many = mlx(
+        q_[:, :, :span], k_[:, :, :seen], v_[:, :, :seen], scale, "causal" if span > 1 else None
+    )
+    ones = sv.sdpa_vector_rows_reference(q_, k_, v_, scale, "causal")[:, :, :span]
+    assert mx.array_equal(many, ones).item()
+    # Cached per bucket like the matmul's span.
+    v1 = probe.probe_sdpa_stock_span(6, 512, *HEADS, mx.float32)
+    assert v1.correct and v1.extra["span"] >= 1 and not v1.cached
+    monkeypatch.setattr(sv, "stock_span", lambda *a_, **k_: pytest.fail("measured again"))
+    assert probe.probe_sdpa_stock_span(6, 512, *HEADS, mx.float32).cached
 
 
 def test_vector_rows_split_causal_rows_at_the_one_pass_limit(monkeypatch):
@@ -751,7 +792,8 @@ def test_invariant_mode_holds_for_plain_greedy_too(monkeypatch, tiny_quantized):
     # one-token forwards take the kernel where the route chosen over all rows is the kernel's,
     # although the kernel is the slower one for one row.
     def timer(kernel, twin, inputs, **_):
-        return (2.0, 1.0) if inputs[0].shape[0] == 1 else (0.5, 3.0)
+        rows = inputs[0].shape[0] if inputs[0].ndim == 2 else inputs[0].shape[2]  # x or q
+        return (2.0, 1.0) if rows == 1 else (0.5, 3.0)
 
     monkeypatch.setattr(probe, "time_pair", timer)
     verifier = _emulated_verifier(max_rows=2, invariant=True)

@@ -582,18 +582,27 @@ class KernelVerifier(Verifier):
         self, shape: tuple[int, int, int, mx.Dtype], verdicts: dict[int, list[Any]], store: Any
     ) -> tuple[float, dict[int, list[Callable[..., Any] | None]]] | None:
         """Route (b) of `_probe_attention` with its cost per token, or None where
-        `sdpa_vector_rows` is not bitwise exact for every query count of every bucket."""
+        `sdpa_vector_rows` is not bitwise exact for every query count it would run: per bucket
+        MLX's own attention for the query counts it computes as one row (`stock_span`, measured
+        and cached; at least one query), `sdpa_vector_rows` past them."""
         from dspark_flow.kernels import sdpa_vector_rows as sv
-        from dspark_flow.kernels.probe import dtype_name, probe_sdpa_rows
+        from dspark_flow.kernels.probe import dtype_name, probe_sdpa_rows, probe_sdpa_stock_span
 
         hq, hkv, d, dtype = shape
         top = self._max_rows
         fn = self._vector_rows_kernel or sv.sdpa_vector_rows_trusted
         cost = 0.0
+        by_rows: dict[int, list[Callable[..., Any] | None]] = {}
         for bucket, vs in verdicts.items():
-            costs = [vs[0].twin_ms]  # one query: MLX's own vector kernel
-            self._more_probes(top - 1)
-            for rows in range(2, top + 1):
+            self._more_probes(1)
+            sp = probe_sdpa_stock_span(top, bucket, hq, hkv, d, dtype, store, self.config.reprobe)
+            self._note("sdpa_stock_span", sp, rows=top, keys=bucket, q_heads=hq, kv_heads=hkv,
+                       head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
+            span = max(1, min(int(sp.extra.get("span", 0)), top))
+            costs = [v.twin_ms for v in vs[:span]]  # MLX's own attention, timed by probe_sdpa
+            by_rows[bucket] = [None] * (span + 1) + [fn] * (top - span)
+            self._more_probes(top - span)
+            for rows in range(span + 1, top + 1):
                 v = probe_sdpa_rows(rows, bucket, hq, hkv, d, dtype, self._vector_rows_kernel,
                                     self.config.min_gain, store, self.config.reprobe)  # fmt: skip
                 self._note(sv.KERNEL_NAME, v, rows=rows, keys=bucket, q_heads=hq, kv_heads=hkv,
@@ -603,7 +612,7 @@ class KernelVerifier(Verifier):
                     return None
                 costs.append(v.kernel_ms)
             cost += _per_token(costs)
-        return cost, {b: [None, None] + [fn] * (top - 1) for b in verdicts}
+        return cost, by_rows
 
     def _probe_coprefill(self, router, group, n, k, bits, gs, x_dtype, s_dtype, store) -> None:
         from dspark_flow.kernels.coprefill import ROW_BUCKETS, probe_coprefill
