@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dspark_flow.pipeline import Pipeline, Prompt
+from pydantic import ValidationError
+
+from dspark_flow.errors import ConfigError, validation_message
+from dspark_flow.pipeline import Pipeline, Prompt, stop_strings
 from dspark_flow.recipe.schema import DEFAULT_MODEL
 from dspark_flow.result import GenResult
 
@@ -54,7 +57,7 @@ def run_recipe(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
-    stop: Sequence[str] | None = None,
+    stop: str | Sequence[str] | None = None,
     on_text: Callable[[str], None] | None = None,
     chat: bool = True,
     objects: dict[str, Any] | None = None,
@@ -68,7 +71,7 @@ def run_recipe(
         "stop": [{"kind": "eos"}, {"kind": "max_tokens", "limit": max_new_tokens}],
     }
     if stop:
-        recipe["stop"].append({"kind": "strings", "strings": list(stop)})
+        recipe["stop"].append({"kind": "strings", "strings": stop_strings(stop)})
     if draft_cap is not None:
         recipe["draft_cap"] = draft_cap
     pipeline = Pipeline.from_dict(recipe, target=(target, tokenizer), **(objects or {}))
@@ -172,11 +175,13 @@ def load_drafter(
     if kind is None:
         kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
     cls = registry.load_kind("drafter", kind)
-    drafter = cls(
-        cls.Config(
+    try:
+        config = cls.Config(
             checkpoint=checkpoint, revision=revision, quantize=quantize, dtype=dtype, **options
         )
-    )
+    except ValidationError as exc:
+        raise ConfigError(validation_message(exc, f"drafter {kind}")) from None
+    drafter = cls(config)
     drafter.load_path(path)
     drafter.warm_up(BuildContext(model=target, tokenizer=None, recipe=None))
     return drafter
@@ -232,7 +237,7 @@ def speculative_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    stop: Sequence[str] | None = None,
+    stop: str | Sequence[str] | None = None,
     on_text: Callable[[str], None] | None = None,
     cap_controller: Any = None,
     **kwargs: Any,
@@ -242,6 +247,11 @@ def speculative_generate(
     `cap_controller` (a draft_cap strategy or its recipe section) overrides it."""
     from dspark_flow.strategy import Drafter
 
+    if drafter is None:
+        raise ConfigError(
+            "speculative_generate needs a drafter: a loaded one (load_pair, load_drafter) or a "
+            "checkpoint path or hub id (lookup_generate drafts without one)"
+        )
     if not isinstance(drafter, Drafter):
         drafter = load_drafter(str(drafter), target)
     draft_cap, cap = _cap_section(cap_controller, max_draft_tokens)
@@ -271,7 +281,6 @@ def load_dflash_pair(
 ) -> tuple[Any, Any, Any, Any]:
     """A target and its DFlash drafter from either name: a DFlash drafter repo listed in the
     drafter table (its target is loaded too), or a target (its DFlash drafter is looked up)."""
-    from dspark_flow.errors import ConfigError
     from dspark_flow.models.drafter_loading import resolve_target
 
     entry = resolve_target(repo)

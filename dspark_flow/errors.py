@@ -31,3 +31,18 @@ class ModelError(DsparkFlowError):
 
 class ConfigError(DsparkFlowError):
     """Strategies that validate alone but do not fit together (checked at build time)."""
+
+
+class PromptError(DsparkFlowError):
+    """A prompt that is neither text, chat messages nor token ids of the model's vocabulary."""
+
+
+def validation_message(exc: Exception, what: str) -> str:
+    """A pydantic ValidationError as one line naming the field: "what: field: problem"."""
+    errors = getattr(exc, "errors", None)
+    first = errors(include_url=False)[0] if callable(errors) and errors() else None
+    if first is None:
+        return f"{what}: {exc}"
+    field = ".".join(str(p) for p in first["loc"]) or "(settings)"
+    more = len(errors()) - 1
+    return f"{what}: {field}: {first['msg']}" + (f" (and {more} more)" if more else "")

@@ -9,13 +9,16 @@ budget) swap in fresh strategy objects for that request only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import mlx.nn as nn
+from pydantic import ValidationError
+
 from dspark_flow import registry
 from dspark_flow.engine.decode import Components, DoneEvent, Event, TextEvent, decode
-from dspark_flow.errors import DsparkFlowError
+from dspark_flow.errors import ConfigError, DsparkFlowError, PromptError, validation_message
 from dspark_flow.log import get_logger
 from dspark_flow.recipe.load import load_recipe, validate
 from dspark_flow.recipe.schema import Recipe
@@ -31,10 +34,41 @@ def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strate
     """Instantiate the strategy a config names (validating a plain dict first)."""
     if isinstance(config, dict):
         cls = registry.load_kind(slot, str(config.get("kind")))
-        config = cls.Config.model_validate(config)
+        try:
+            config = cls.Config.model_validate(config)
+        except ValidationError as exc:
+            raise ConfigError(validation_message(exc, f"{slot} {config.get('kind')}")) from None
     else:
         cls = registry.load_kind(slot, config.kind)
     return cls(config)
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """Stop strings as a list: one string given bare is one stop string, not its characters."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _is_id(token: Any) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool)
+
+
+def _check_prompt(prompt: Any) -> None:
+    """Text, or a non-empty list of chat messages ({"role": ..., "content": ...})."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise PromptError(
+            "a prompt is text, a list of token ids or a list of chat messages, "
+            f"got {type(prompt).__name__}{' (empty)' if isinstance(prompt, (list, tuple)) else ''}"
+        )
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m):
+            raise PromptError(
+                f"prompt[{i}]: expected a token id or a chat message "
+                f'{{"role": ..., "content": ...}}, got {type(m).__name__}'
+            )
 
 
 class Pipeline:
@@ -81,6 +115,11 @@ class Pipeline:
                 resolve_model_path(spec.model, spec.revision), spec.weights
             )
         model, tokenizer = self._target
+        if not isinstance(model, nn.Module) or tokenizer is None:
+            got = type(model).__name__ if not isinstance(model, nn.Module) else "no tokenizer"
+            raise ConfigError(
+                f"target: expected a loaded model and its tokenizer (load_target, load_pair), got {got}"
+            )
         ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=self.recipe)
         # Order matters: the verifier probes only the verify shapes the drafter can ask for,
         # and the cache, draft cap and stops look at all three.
@@ -112,8 +151,9 @@ class Pipeline:
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Text -> ids through the chat template (when the recipe asks and the model has one)."""
         tok = self.tokenizer
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)  # already token ids
+        if isinstance(prompt, (list, tuple)) and prompt and all(_is_id(t) for t in prompt):
+            return self._checked_ids(list(prompt))  # already token ids
+        _check_prompt(prompt)
         use_chat = self.recipe.prompt.chat if chat is None else chat
         if isinstance(prompt, str):
             if not (use_chat and getattr(tok, "has_chat_template", False)):
@@ -126,13 +166,26 @@ class Pipeline:
             messages = [dict(m) for m in prompt]
         return list(tok.apply_chat_template(messages, add_generation_prompt=True))
 
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        """Ids outside the embedding crash MLX's gather on some backends (a segfault on the
+        CPU), so they stop here."""
+        model = self.warm_up().components.model  # type: ignore[union-attr]
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        if vocab is None:
+            tok = self.tokenizer
+            vocab = getattr(tok, "vocab_size", None) or len(tok.get_vocab())
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return [int(t) for t in ids]
+
     # -- generation --------------------------------------------------------------------------
 
     def _request_components(
         self,
         max_new_tokens: int | None,
         sampler: StrategyConfig | dict[str, Any] | None,
-        stop: Sequence[str] | None,
+        stop: str | Sequence[str] | None,
     ) -> Components:
         base = self.warm_up().components
         assert base is not None
@@ -147,7 +200,7 @@ class Pipeline:
             if max_new_tokens is not None:
                 extra.append({"kind": "max_tokens", "limit": max_new_tokens})
             if stop:
-                extra.append({"kind": "strings", "strings": list(stop)})
+                extra.append({"kind": "strings", "strings": stop_strings(stop)})
             for config in extra:
                 rule = build_strategy("stop", config)
                 rule.warm_up(ctx)
@@ -161,7 +214,7 @@ class Pipeline:
         *,
         max_new_tokens: int | None = None,
         sampler: StrategyConfig | dict[str, Any] | None = None,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         chat: bool | None = None,
         stream_text: bool = True,
     ) -> Iterator[Event]:
@@ -193,7 +246,7 @@ class Pipeline:
         *,
         max_new_tokens: int | None = None,
         sampler: StrategyConfig | dict[str, Any] | None = None,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> GenResult:

@@ -105,6 +105,21 @@ class Verdict:
         return data
 
 
+def _well_typed(v: Verdict) -> bool:
+    """A cached verdict is trusted only with the types a probe writes: "false" (a string) would
+    read as true, and a corrupt "enabled" must not switch a kernel on."""
+    timings = (v.kernel_ms, v.twin_ms, v.max_rel_err)
+    return (
+        isinstance(v.enabled, bool)
+        and isinstance(v.correct, bool)
+        and isinstance(v.reason, str)
+        and isinstance(v.extra, dict)
+        and all(
+            t is None or (isinstance(t, (int, float)) and not isinstance(t, bool)) for t in timings
+        )
+    )
+
+
 class VerdictCache:
     """The verdict file: a version field and one entry per key id. Writes are atomic (temp
     file + rename) and re-read the file under a lock first, so concurrent probers merge."""
@@ -130,9 +145,10 @@ class VerdictCache:
         if raw is None:
             return None
         try:
-            return Verdict(**raw, cached=True)
+            verdict = Verdict(**raw, cached=True)
         except TypeError:  # an entry written by other code: probe again
             return None
+        return verdict if _well_typed(verdict) else None  # a damaged entry: probe again
 
     def put(self, key: ProbeKey, verdict: Verdict) -> None:
         from filelock import FileLock  # a huggingface_hub dependency, so always present

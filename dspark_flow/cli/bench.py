@@ -107,19 +107,31 @@ def run(args: argparse.Namespace) -> int:
     from dspark_flow.errors import DsparkFlowError
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise DsparkFlowError(f"--out {out} is a file; name a folder for the report")
     if args.from_json:
         from dspark_flow.bench.report import load_json
 
-        outcome = write_outputs(load_json(args.from_json), out, plots=not args.no_plots)
+        data = load_json(args.from_json)
+        try:
+            outcome = write_outputs(data, out, plots=not args.no_plots)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+            # A hand-edited or truncated file: its fields are not what a bench run writes.
+            raise DsparkFlowError(
+                f"{args.from_json} is not a bench.json this version can render "
+                f"({type(e).__name__}: {e})"
+            ) from e
     else:
         if not args.recipes:
             raise DsparkFlowError("name at least one recipe (or --from-json FILE)")
+        if args.verify_repeats < 1:
+            raise DsparkFlowError("--verify-repeats must be at least 1")
         cfg = BenchConfig(
             trials=args.trials,
             warmup_trials=args.warmup_trials,
             max_tokens=args.max_tokens,
             verify_cost=not args.no_verify_cost,
-            verify_repeats=max(1, args.verify_repeats),
+            verify_repeats=args.verify_repeats,
         )
 
         def progress(line: str) -> None:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             raise DsparkFlowError(
                 f"--depths {args.depths}: expected integers like 64,512"
             ) from None
-    repeats = args.repeats or settings.get("repeats") or 5
+    repeats = args.repeats if args.repeats is not None else settings.get("repeats") or 5
     if repeats < 1 or not depths or min(depths) < 1:
         raise DsparkFlowError("--repeats and every depth must be at least 1")
     # A plain cap for the warm-up, so a calibrating draft_cap in the recipe does not measure twice.

@@ -15,7 +15,13 @@ from dspark_flow.errors import DsparkFlowError
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=["console", "json"], default="console")
-    p.add_argument("--log-level", default="warning", help="debug, info, warning (default), error")
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="debug, info, warning (default), error",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

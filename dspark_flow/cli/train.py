@@ -41,10 +41,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_flow.training.data import DataWorker
     from dspark_flow.training.recipe import load_train_recipe
     from dspark_flow.training.run import STAGES, run_training
 
     recipe = load_train_recipe(args.recipe, args.overrides)
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise DsparkFlowError(
+            f"--time-limit {args.time_limit}: must be a positive number of seconds"
+        )
+    if args.data_worker:
+        DataWorker.parse(args.data_worker)  # a malformed I/N fails here, --check or not
     if args.check:
         print(f"{args.recipe}: ok ({recipe.drafter.kind}, block {recipe.drafter.block_size})")
         return 0

@@ -85,8 +85,11 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
         raise RecipeError(f"--set {text}: expected KEY.PATH=VALUE")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {text}: value is not valid YAML ({exc})") from None
+    except yaml.YAMLError as exc:  # one line: PyYAML's message spans several with a caret
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at column {mark.column + 1}" if mark is not None else ""
+        raise RecipeError(f"--set {text}: value is not valid YAML ({problem}{at})") from None
     path: list[str | int] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
     return path, value
 
@@ -98,6 +101,8 @@ def apply_overrides(
     the caller filled with its defaults; setting such a slot's kind starts it afresh (the
     default's other settings may not exist for the kind the user names)."""
     touched: dict[Loc, str] = {}
+    if isinstance(overrides, str):  # one override given bare (Python callers)
+        overrides = [overrides]
     for text in overrides:
         path, value = parse_override(text)
         slot = data.get(path[0]) if len(path) == 2 and path[0] in filled else None

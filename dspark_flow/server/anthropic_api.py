@@ -31,8 +31,10 @@ def _blocks_text(content: str | list[Block]) -> str:
         return content
     parts = []
     for block in content:
-        if block.type != "text" or block.text is None:
+        if block.type != "text":
             raise ValueError(f"content blocks of type {block.type!r} are not supported")
+        if block.text is None:
+            raise ValueError("a text block needs its 'text'")
         parts.append(block.text)
     return "".join(parts)
 

@@ -98,14 +98,30 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
+# Loc parts pydantic adds for the members of a union (`str | list[Part]` -> "str",
+# "list[Part]"); no request field has such a name.
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _is_tag(part: Any) -> bool:
+    text = str(part)
+    return "[" in text or text in _UNION_TAGS or text.startswith("function-")
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "union[")):  # pydantic's internal loc parts
+        elif not _is_tag(part):  # pydantic's internal loc parts
             out += ("." if out else "") + str(part)
     return out
+
+
+def _most_specific(errors: list[Any]) -> Any:
+    """The error to report: for a value that matches no member of a union, the one that got
+    deepest into it (`content[0].text` rather than "content is not a string")."""
+    return max(errors, key=lambda e: len([p for p in e["loc"] if not _is_tag(p)]))
 
 
 def parse_model(model: type[M], data: dict[str, Any]) -> M:
@@ -113,7 +129,7 @@ def parse_model(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
+        err = _most_specific(exc.errors(include_url=False))
         param = _loc(err["loc"])
         msg = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "missing":

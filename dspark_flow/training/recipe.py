@@ -269,17 +269,25 @@ def _resolve_paths(recipe: TrainRecipe, base: Path) -> None:
 
 
 def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
-    missing = [
-        f"{source} data.prompts[{i}].path: prompt file not found: {p.path}"
-        for i, p in enumerate(recipe.data.prompts)
-        if not Path(p.path).is_file()
-    ] + [
-        f"{source} eval.prompts[{i}].path: prompt file not found: {p.path}"
-        for i, p in enumerate(recipe.eval.prompts)
-        if not Path(p.path).is_file()
-    ]
-    if missing:
-        raise RecipeError(missing)
+    """Every prompt file exists and reads as prompts within its line range (a corrupt file
+    fails here, at validation, not minutes into data generation)."""
+    from dspark_flow.training.data import read_prompts
+
+    problems = []
+    for section, specs in (("data", recipe.data.prompts), ("eval", recipe.eval.prompts)):
+        for i, spec in enumerate(specs):
+            where, path = f"{source} {section}.prompts[{i}].path", Path(spec.path)
+            if path.is_dir():
+                problems.append(f"{where}: {spec.path} is a directory, not a prompt file")
+            elif not path.is_file():
+                problems.append(f"{where}: prompt file not found: {spec.path}")
+            else:
+                try:
+                    read_prompts(spec)
+                except RecipeError as exc:
+                    problems.append(f"{where}: {exc}")
+    if problems:
+        raise RecipeError(problems)
 
 
 def loads_train_recipe(

@@ -1,0 +1,145 @@
+"""Bad input anywhere ends in one clear line (CLI: exit 2; API: a DsparkFlowError; HTTP: a 400
+naming the parameter), never a traceback, a crash or a silent wrong result. The cases are those
+a review found slipping through (2026-11-30); the commands that already held are tested where
+their feature is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_flow.cli.main import main
+from dspark_flow.errors import ConfigError, PromptError
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_an_unknown_log_level_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate", QUICKSTART, "--log-level", "bogus"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+    assert main(["validate", QUICKSTART, "--log-level", "INFO"]) == 0
+
+
+def test_a_bad_set_value_is_one_line(capsys):
+    assert main(["validate", QUICKSTART, "--set", "drafter={kind: lookup"]) == 2
+    assert "value is not valid YAML" in _one_error_line(capsys)
+
+
+def test_bench_from_a_malformed_json_or_into_a_file(tmp_path, capsys):
+    for body in ({"meta": 1, "runs": 2, "summary": 3}, {"meta": {}, "runs": [{}], "summary": {}}):
+        path = tmp_path / "bench.json"
+        path.write_text(json.dumps(body))
+        assert main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 2
+        assert "is not a bench.json this version can render" in _one_error_line(capsys)
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    assert main(["bench", "--from-json", str(path), "--out", str(a_file)]) == 2
+    assert "is a file" in _one_error_line(capsys)
+    assert a_file.read_text() == "x"  # nothing lost
+
+
+def test_zero_repeats_are_refused_not_replaced(capsys):
+    recipe = str(REPO / "recipes" / "lookup_auto.yaml")
+    assert main(["calibrate", recipe, "--repeats", "0", "--depths", "16"]) == 2
+    assert "--repeats" in _one_error_line(capsys)
+    assert main(["bench", QUICKSTART, "--verify-repeats", "0"]) == 2
+    assert "--verify-repeats" in _one_error_line(capsys)
+
+
+def _train_recipe(tmp_path: Path, prompt_path: str) -> str:
+    path = tmp_path / "train.yaml"
+    path.write_text(
+        f"name: t\ndrafter: {{kind: dspark, block_size: 4}}\n"
+        f"data: {{prompts: [{{path: {prompt_path}}}]}}\n"
+    )
+    return str(path)
+
+
+def test_train_check_reads_the_prompt_files_and_the_flags(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"turns": ["hello"]}\n')
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text('{"turns": [\n')
+    assert main(["train", _train_recipe(tmp_path, str(corrupt)), "--check"]) == 2
+    assert "bad JSON" in _one_error_line(capsys)
+    assert main(["train", _train_recipe(tmp_path, str(tmp_path)), "--check"]) == 2
+    assert "is a directory" in _one_error_line(capsys)
+    recipe = _train_recipe(tmp_path, str(good))
+    assert main(["train", recipe, "--check"]) == 0
+    capsys.readouterr()
+    assert main(["train", recipe, "--check", "--time-limit", "-5"]) == 2
+    assert "--time-limit" in _one_error_line(capsys)
+    assert main(["train", recipe, "--check", "--data-worker", "foo"]) == 2
+    assert "expected I/N" in _one_error_line(capsys)
+
+
+def test_http_content_errors_name_what_is_wrong():
+    from dspark_flow.server import openai_api as o
+    from dspark_flow.server.common import ApiError, parse_model
+
+    def problem(model, body) -> str:
+        with pytest.raises(ApiError) as err:
+            parse_model(model, body)
+        return str(err.value)
+
+    user = {"role": "user"}
+    chat = o.ChatCompletionRequest
+    assert "'messages[0].content[0]'" in problem(
+        chat, {"model": "m", "messages": [{**user, "content": ["hi"]}]}
+    )
+    assert "'messages[0].content[0].text'" in problem(
+        chat, {"model": "m", "messages": [{**user, "content": [{"type": "text", "text": 5}]}]}
+    )
+    assert "a text part needs its 'text'" in problem(
+        chat, {"model": "m", "messages": [{**user, "content": [{"type": "text"}]}]}
+    )
+
+
+def test_the_api_refuses_bad_prompts_and_arguments(embedded):
+    from dspark_flow import Pipeline, greedy_generate, load_pair, speculative_generate
+
+    model, tok = embedded
+    vocab = model.args.vocab_size
+    for ids in ([vocab], [99_999_999], [-5, 3]):  # 99_999_999 crashed MLX's CPU gather
+        with pytest.raises(PromptError, match="outside the vocabulary"):
+            greedy_generate(model, tok, ids, max_new_tokens=2)
+    for prompt in (123, None, [], [{"content": "no role"}]):
+        with pytest.raises(PromptError):
+            greedy_generate(model, tok, prompt, max_new_tokens=2)
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        speculative_generate(model, tok, None, "hi", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="expected a loaded model"):
+        greedy_generate("notamodel", tok, "hi", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="drafter dspark: quantize"):
+        load_pair(quantize=3)
+    # One stop string given bare is one string, not its characters.
+    plain = greedy_generate(model, tok, "Say hello", max_new_tokens=8)
+    bare = greedy_generate(model, tok, "Say hello", max_new_tokens=8, stop="zzHello")
+    assert bare.token_ids == plain.token_ids
+    # And one override given bare is one override.
+    pipeline = Pipeline.from_yaml(QUICKSTART, overrides="drafter.kind=lookup")
+    assert pipeline.recipe.drafter.kind == "lookup"
+
+
+def test_a_verdict_with_wrong_types_is_probed_again(tmp_path):
+    from dspark_flow.kernels import probe
+
+    store = probe.VerdictCache(tmp_path)
+    key = probe.ProbeKey.make("qmm_small_m", "v", "fmt", 2, 8, 8, "float32")
+    store.put(key, probe.Verdict(False, "slower", 1.0, 0.5, 0.0, correct=True))
+    raw = json.loads(store.path.read_text())
+    entry = next(iter(raw["entries"].values()))
+    entry.update(enabled="false", correct="false")  # a string "false" reads as true
+    store.path.write_text(json.dumps(raw))
+    assert probe.VerdictCache(tmp_path).get(key) is None
