@@ -17,12 +17,14 @@ pass its one-row call would take.
 
 Equality with MLX is measured, not assumed: the probe compares each row with MLX's one-query
 call over that row's keys, bit for bit (`bitwise` in the verdict), and the verifier's invariant
-mode takes this kernel only where it is exact. Written against MLX 0.32's CUDA source; NOT YET
-RUN on a device (docs/kernels.md).
+mode takes this kernel only where it is exact. Written against MLX 0.32's CUDA source; on the
+H200 (2026-11-30, benchmarks §4) bitwise equal to MLX at 2..16 rows in every key bucket. Up
+to the rows MLX's own attention computes as one (`stock_span`, probed: 3 there) the invariant
+mode keeps MLX's kernel and runs this one past them.
 
 Implementations: `sdpa_vector_rows_reference` (the twin: MLX's attention one query row at a time,
 over that row's causal keys), `sdpa_vector_rows` (the dispatcher: CUDA and float32 only, else
-None). No plain-MLX emulation of this summation order: the twin is the exact reference, and the
+None); `stock_span` measures how many rows MLX's own call computes as one. No plain-MLX emulation of this summation order: the twin is the exact reference, and the
 CPU tests check the Python side (the pass split) against it.
 """
 

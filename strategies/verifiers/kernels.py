@@ -539,8 +539,9 @@ class KernelVerifier(Verifier):
         invariant mode `sdpa_small_q` takes the query counts where it is faster; in invariant
         mode one route for every bucket (a verify's rows may straddle two), the cheaper per token
         of (a) `sdpa_small_q` for every query count, where it is correct for all, and (b) MLX's
-        own attention for one query and `sdpa_vector_rows` for 2..max_rows, where it reproduced
-        MLX's one-row results bit for bit in every bucket."""
+        own attention for the query counts it computes as one (its probed span, at least one)
+        and `sdpa_vector_rows` past them, where it reproduced MLX's one-row results bit for bit
+        in every bucket."""
         from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
 
