@@ -392,18 +392,35 @@ def probe_stock_span(
 
     fmt = affine_format(bits, group_size, s_dtype)
     key = ProbeKey.make("stock_row_span", "1", fmt, max_rows, n, k, dtype_name(x_dtype))
+    make = qmm_inputs(max_rows, n, k, bits, group_size, x_dtype, s_dtype)
+
+    def measure() -> int:
+        return min(sr.invariant_span(*make(seed)) for seed in (0, 1))
+
+    return _span_verdict(key, "matmul", "rows", measure, store, force)
+
+
+def _span_verdict(
+    key: ProbeKey,
+    what: str,
+    unit: str,
+    measure: Callable[[], int],
+    store: VerdictCache | None,
+    force: bool,
+) -> Verdict:
+    """A stock op's span (`extra["span"]`: rows 1..span computed as one row is), measured once
+    and cached like the kernels' verdicts. An op that fails here refuses the route, not the
+    warm-up."""
     store = store if store is not None else VerdictCache()
     if not force and (hit := store.get(key)) is not None:
         return hit
-    make = qmm_inputs(max_rows, n, k, bits, group_size, x_dtype, s_dtype)
     try:
-        span = min(sr.invariant_span(*make(seed)) for seed in (0, 1))
-    except Exception as e:  # a matmul that fails here refuses the route, not the warm-up
-        verdict = Verdict(False, f"stock matmul failed: {type(e).__name__}: {str(e)[:300]}")
-        store.put(key, verdict)
-        return verdict
-    reason = f"rows 1..{span} computed as one row is" if span else "not deterministic"
-    verdict = Verdict(span > 0, reason, extra={"span": span}, correct=span > 0)
+        span = measure()
+    except Exception as e:
+        verdict = Verdict(False, f"stock {what} failed: {type(e).__name__}: {str(e)[:300]}")
+    else:
+        reason = f"{unit} 1..{span} computed as one row is" if span else "not deterministic"
+        verdict = Verdict(span > 0, reason, extra={"span": span}, correct=span > 0)
     store.put(key, verdict)
     return verdict
 
@@ -569,21 +586,13 @@ def probe_sdpa_stock_span(
 
     fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal"
     key = ProbeKey.make("sdpa_stock_span", "1", fmt, max_queries, keys, head_dim, dtype_name(dtype))
-    store = store if store is not None else VerdictCache()
-    if not force and (hit := store.get(key)) is not None:
-        return hit
     second = _rows_draw_keys(max_queries, keys)
     make = _attention_draws(max_queries, keys, second, q_heads, kv_heads, head_dim, dtype)
-    try:
-        span = min(sv.stock_span(*make(seed)[:4]) for seed in (0, 1))
-    except Exception as e:  # an attention that fails here refuses the route, not the warm-up
-        verdict = Verdict(False, f"stock attention failed: {type(e).__name__}: {str(e)[:300]}")
-        store.put(key, verdict)
-        return verdict
-    reason = f"query rows 1..{span} computed as one row is" if span else "not deterministic"
-    verdict = Verdict(span > 0, reason, extra={"span": span}, correct=span > 0)
-    store.put(key, verdict)
-    return verdict
+
+    def measure() -> int:
+        return min(sv.stock_span(*make(seed)[:4]) for seed in (0, 1))
+
+    return _span_verdict(key, "attention", "query rows", measure, store, force)
 
 
 def probe_sdpa_rows(
