@@ -579,14 +579,22 @@ def probe_sdpa_stock_span(
     force: bool = False,
 ) -> Verdict:
     """How many causal query rows (of 1..max_queries) MLX's own attention computes exactly as
-    it computes one, in this key bucket on this machine: `extra["span"]`
+    it computes one, for every call of this key bucket on this machine: `extra["span"]`
     (`sdpa_vector_rows.stock_span`, the smaller over the two draws); cached like the kernels'
     verdicts."""
     from dspark_flow.kernels import sdpa_vector_rows as sv
 
     fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal"
-    key = ProbeKey.make("sdpa_stock_span", "1", fmt, max_queries, keys, head_dim, dtype_name(dtype))
-    second = _rows_draw_keys(max_queries, keys)
+    # Version 2: the straddling draw below (version 1 missed it and claimed 3 rows at 2,048).
+    key = ProbeKey.make("sdpa_stock_span", "2", fmt, max_queries, keys, head_dim, dtype_name(dtype))
+    lower = max((b for b in KEY_BUCKETS if b < keys), default=0)
+    if lower < sv.ONE_PASS_KEYS < keys:
+        # MLX picks one pass or two by the call's key count, so a call of this bucket can hold
+        # more keys than the one-pass limit while its first row alone holds fewer: draw 1's
+        # m-row calls (limit - 1 + m keys) straddle the limit for every m >= 2.
+        second = sv.ONE_PASS_KEYS - 1 + max_queries
+    else:
+        second = max_queries + 19
     make = _attention_draws(max_queries, keys, second, q_heads, kv_heads, head_dim, dtype)
 
     def measure() -> int:

@@ -366,9 +366,7 @@ def sdpa_vector_rows_reference(
     return mx.concatenate(outs, axis=2)
 
 
-def stock_span(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, attention=_mlx_attention
-) -> int:
+def stock_span(q: mx.array, k: mx.array, v: mx.array, scale: float, attention=None) -> int:
     """The largest M (0..rows of q) such that for every M' <= M MLX's attention over the first
     M' query rows, causal over the keys those rows see, equals MLX's one-query calls (the twin)
     bit for bit. Up to that count the invariant mode needs no kernel: on CUDA MLX computes a
@@ -378,6 +376,7 @@ def stock_span(
     Row i of an M'-row call is query i over keys - rows + M' keys, so it sees the keys it sees
     in the full problem: the twin's rows, computed once, serve every M'. `attention` replaces
     MLX's (tests)."""
+    attention = attention or _mlx_attention
     rows, keys = q.shape[2], k.shape[2]
     singles = sdpa_vector_rows_reference(q, k, v, scale, "causal", attention)
     mx.eval(singles)

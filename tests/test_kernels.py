@@ -711,6 +711,20 @@ def test_attention_stock_span_finds_where_query_rows_start_to_differ(monkeypatch
     assert probe.probe_sdpa_stock_span(6, 512, *HEADS, mx.float32).cached
 
 
+def test_attention_stock_span_sees_calls_straddling_the_one_pass_limit(monkeypatch):
+    # MLX picks one pass or two by the call's key count: a call over 1,025 keys whose first row
+    # alone sees 1,024 sums that row another way. Only the 2,048-key bucket holds such calls.
+    mlx = sv._mlx_attention
+
+    def two_pass_past_limit(q_, k_, v_, scale, mask):  # every row as one, but passes differ
+        out = sv.sdpa_vector_rows_reference(q_, k_, v_, scale, mask, attention=mlx)
+        return out * (1 + 1e-6) if k_.shape[2] > sv.ONE_PASS_KEYS else out
+
+    monkeypatch.setattr(sv, "_mlx_attention", two_pass_past_limit)
+    spans = {b: probe.probe_sdpa_stock_span(4, b, *HEADS, mx.float32) for b in probe.KEY_BUCKETS}
+    assert {b: v.extra["span"] for b, v in spans.items()} == {512: 4, 2048: 1, 8192: 4}
+
+
 def test_vector_rows_split_causal_rows_at_the_one_pass_limit(monkeypatch):
     # MLX picks one pass or two by the key count of the call, so a causal verify whose rows see
     # 1,021..1,028 keys goes in two calls: rows seeing <= 1,024 keys, then the rest.
