@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +52,33 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
 
 
 def _is_id(token: Any) -> bool:
-    return isinstance(token, int) and not isinstance(token, bool)
+    """A token id: any integer (numpy's too) but a bool."""
+    return isinstance(token, Integral) and not isinstance(token, bool)
 
 
-def _check_prompt(prompt: Any) -> None:
-    """Text, or a non-empty list of chat messages ({"role": ..., "content": ...})."""
+def _check_prompt(prompt: Any) -> list[int] | None:
+    """Token ids as ints (None for text or chat messages, after checking their shape)."""
     if isinstance(prompt, str):
-        return
-    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return None
+    if not isinstance(prompt, (list, tuple)):
         raise PromptError(
             "a prompt is text, a list of token ids or a list of chat messages, "
-            f"got {type(prompt).__name__}{' (empty)' if isinstance(prompt, (list, tuple)) else ''}"
+            f"got {type(prompt).__name__}"
         )
+    if not prompt:
+        raise PromptError("the prompt is empty")
+    if any(_is_id(t) for t in prompt):  # token ids: name the first item that is not one
+        for i, t in enumerate(prompt):
+            if not _is_id(t):
+                raise PromptError(f"token id list: prompt[{i}] is {type(t).__name__}")
+        return [int(t) for t in prompt]
     for i, m in enumerate(prompt):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m):
             raise PromptError(
-                f"prompt[{i}]: expected a token id or a chat message "
-                f'{{"role": ..., "content": ...}}, got {type(m).__name__}'
+                f'prompt[{i}]: expected a chat message {{"role": ..., "content": ...}}, '
+                f"got {type(m).__name__}"
             )
+    return None
 
 
 class Pipeline:
@@ -151,9 +161,8 @@ class Pipeline:
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Text -> ids through the chat template (when the recipe asks and the model has one)."""
         tok = self.tokenizer
-        if isinstance(prompt, (list, tuple)) and prompt and all(_is_id(t) for t in prompt):
-            return self._checked_ids(list(prompt))  # already token ids
-        _check_prompt(prompt)
+        if (ids := _check_prompt(prompt)) is not None:
+            return self._checked_ids(ids)  # already token ids
         use_chat = self.recipe.prompt.chat if chat is None else chat
         if isinstance(prompt, str):
             if not (use_chat and getattr(tok, "has_chat_template", False)):
@@ -166,18 +175,23 @@ class Pipeline:
             messages = [dict(m) for m in prompt]
         return list(tok.apply_chat_template(messages, add_generation_prompt=True))
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the target's embedding: the token ids it accepts. (A Hugging Face tokenizer's
+        `vocab_size` leaves out added tokens such as Qwen's <|im_end|>; the full vocabulary
+        is the fallback.)"""
+        model = self.warm_up().components.model  # type: ignore[union-attr]
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        return int(vocab) if vocab is not None else len(self.tokenizer.get_vocab())
+
     def _checked_ids(self, ids: list[int]) -> list[int]:
         """Ids outside the embedding crash MLX's gather on some backends (a segfault on the
         CPU), so they stop here."""
-        model = self.warm_up().components.model  # type: ignore[union-attr]
-        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-        if vocab is None:
-            tok = self.tokenizer
-            vocab = getattr(tok, "vocab_size", None) or len(tok.get_vocab())
+        vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        return [int(t) for t in ids]
+        return ids
 
     # -- generation --------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark_flow.cli.main import main
@@ -114,9 +115,19 @@ def test_the_api_refuses_bad_prompts_and_arguments(embedded):
     for ids in ([vocab], [99_999_999], [-5, 3]):  # 99_999_999 crashed MLX's CPU gather
         with pytest.raises(PromptError, match="outside the vocabulary"):
             greedy_generate(model, tok, ids, max_new_tokens=2)
-    for prompt in (123, None, [], [{"content": "no role"}]):
-        with pytest.raises(PromptError):
+    for prompt, why in [
+        (123, "got int"),
+        (None, "got NoneType"),
+        ([], "the prompt is empty"),
+        ([{"content": "no role"}], "expected a chat message"),
+        ([1, 2, True], r"prompt\[2\] is bool"),
+        ([1, {"role": "user", "content": "hi"}], r"prompt\[1\] is dict"),
+    ]:
+        with pytest.raises(PromptError, match=why):
             greedy_generate(model, tok, prompt, max_new_tokens=2)
+    ids = tok.encode("Hello")  # numpy integers are token ids too
+    as_numpy = greedy_generate(model, tok, list(np.array(ids)), max_new_tokens=3, chat=False)
+    assert as_numpy.token_ids == greedy_generate(model, tok, ids, max_new_tokens=3).token_ids
     with pytest.raises(ConfigError, match="needs a drafter"):
         speculative_generate(model, tok, None, "hi", max_new_tokens=2)
     with pytest.raises(ConfigError, match="expected a loaded model"):

@@ -7,6 +7,7 @@ mode's output differed from greedy decoding at T=0 (a losslessness failure, repo
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -116,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             outcome = write_outputs(data, out, plots=not args.no_plots)
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
-            # A hand-edited or truncated file: its fields are not what a bench run writes.
+            # A hand-edited or truncated file: its fields are not what a bench run writes (or a
+            # rendering bug: DSPARK_FLOW_DEBUG=1 shows the traceback).
+            if os.environ.get("DSPARK_FLOW_DEBUG"):
+                raise
             raise DsparkFlowError(
                 f"{args.from_json} is not a bench.json this version can render "
                 f"({type(e).__name__}: {e})"

@@ -46,7 +46,7 @@ def encode_text(engine: Engine, prompt: str | list[int]) -> list[int]:
     """A raw completion prompt: text (no chat template) or token ids checked against the vocab."""
     if isinstance(prompt, str):
         return list(engine.tokenizer.encode(prompt))
-    vocab = getattr(engine.tokenizer, "vocab_size", None) or len(engine.tokenizer.get_vocab())
+    vocab = engine.pipeline.vocab_size  # the embedding's rows, as the Python API checks
     if any(not 0 <= t < vocab for t in prompt):
         raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
     return list(prompt)
