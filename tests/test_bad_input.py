@@ -102,6 +102,9 @@ def test_http_content_errors_name_what_is_wrong():
     assert "'messages[0].content[0].text'" in problem(
         chat, {"model": "m", "messages": [{**user, "content": [{"type": "text", "text": 5}]}]}
     )
+    assert "'prompt[2]': Input should be a valid integer" in problem(
+        o.CompletionRequest, {"model": "m", "prompt": [1, 2, "x"]}
+    )
     assert "a text part needs its 'text'" in problem(
         chat, {"model": "m", "messages": [{**user, "content": [{"type": "text"}]}]}
     )

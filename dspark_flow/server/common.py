@@ -119,9 +119,14 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 
 def _most_specific(errors: list[Any]) -> Any:
-    """The error to report: for a value that matches no member of a union, the one that got
-    deepest into it (`content[0].text` rather than "content is not a string")."""
-    return max(errors, key=lambda e: len([p for p in e["loc"] if not _is_tag(p)]))
+    """The error to report: for a value that matches no member of a union, one of the member
+    that came closest (fewest errors), the deepest of its errors (`prompt[2]` of a token list
+    with one string in it, `content[0].text` rather than "content is not a string")."""
+    tags = [next((str(p) for p in e["loc"] if _is_tag(p)), None) for e in errors]
+    count = {tag: tags.count(tag) for tag in tags}
+    fewest = min(count.values())
+    closest = [e for e, tag in zip(errors, tags, strict=True) if count[tag] == fewest]
+    return max(closest, key=lambda e: len([p for p in e["loc"] if not _is_tag(p)]))
 
 
 def parse_model(model: type[M], data: dict[str, Any]) -> M:
