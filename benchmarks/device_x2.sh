@@ -117,7 +117,7 @@ bench_run() {  # bench_run TAG GPU ARGS...: `dspark-flow bench ARGS` on the held
   local tag=$1 gpu=$2; shift 2
   CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
     --prompts /tmp/heldout.jsonl --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots \
-    --quiet --out /tmp/bench-$tag > $O/bench-$tag.log 2>&1 || ended $? "bench $tag"
+    --out /tmp/bench-$tag > $O/bench-$tag.log 2>&1 || ended $? "bench $tag"  # progress lines kept: a cut run shows where
   cp /tmp/bench-$tag/bench.md $O/bench-$tag.md 2>/dev/null; cp /tmp/bench-$tag/bench.json $O/bench-$tag.json 2>/dev/null
   grep -E "^\| \*\*all" $O/bench-$tag.md 2>/dev/null
 }
@@ -287,7 +287,8 @@ case "${1:-}" in
   solo-e2e)  # issue 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, bf16 through the attention kernel;
     # each target with its own greedy and mlx-lm's stock greedy
-    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 15:1x
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     inv='{kind: kernels, invariant: true}' stock='{kind: reference}'
     variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
     variant dspark stock-k2 '{kind: fixed, k: 2}' auto "$stock"; variant dspark stock-k3 '{kind: fixed, k: 3}' auto "$stock"
