@@ -287,7 +287,7 @@ case "${1:-}" in
   solo-e2e)  # issue 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, bf16 through the attention kernel;
     # each target with its own greedy and mlx-lm's stock greedy
-    # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 15:1x
+    # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 at 15:12 UTC
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     inv='{kind: kernels, invariant: true}' stock='{kind: reference}'
     variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
