@@ -124,10 +124,14 @@ def phase_shapes(args, deadline: float, shapes, s_dtype) -> list[dict[str, Any]]
 # -- (b) verify cost curve ----------------------------------------------------------------
 
 
-def phase_curve(args, deadline: float, targets, ids: list[int]) -> dict[str, dict[int, float]]:
-    """Median ms of one forward of K tokens. With --fresh-lengths (the default) every timed
-    forward meets a key length no earlier one had, as in decoding (the context grows by one
-    token per forward: ~300 to ~570 over the curve); --no-fresh-lengths repeats one length."""
+def phase_curve(
+    args, deadline: float, targets, ids: list[int]
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """Median ms of one forward of K tokens, and of the part of it spent building the graph on
+    the host (Python and MLX's graph, before evaluation: on the GPU a forward of this model is
+    mostly host work). With --fresh-lengths (the default) every timed forward meets a key
+    length no earlier one had, as in decoding (the context grows by one token per forward:
+    ~300 to ~570 over the curve); --no-fresh-lengths repeats one length."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -138,25 +142,31 @@ def phase_curve(args, deadline: float, targets, ids: list[int]) -> dict[str, dic
         caches[name] = make_prompt_cache(model)
         mx.eval(verifier.forward(model, ids, caches[name]))
     curve: dict[str, dict[int, float]] = {name: {} for name in targets}
+    build: dict[str, dict[int, float]] = {name: {} for name in targets}
     for k in ks:
         if time.perf_counter() > deadline:
             say(f"(b) deadline: stopped before K={k}")
             break
         tokens = ids[-k:]
         for name, (model, _tok, verifier) in targets.items():
-            samples = []
+            samples, built = [], []
             warm = 1 if args.quick else 2
             for rep in range(reps + warm):
                 t0 = time.perf_counter()
-                mx.eval(verifier.forward(model, tokens, caches[name]))
+                logits = verifier.forward(model, tokens, caches[name])
+                t1 = time.perf_counter()
+                mx.eval(logits)
                 if rep >= warm:
                     samples.append((time.perf_counter() - t0) * 1e3)
+                    built.append((t1 - t0) * 1e3)
                 trim_prompt_cache(caches[name], k)
                 if args.fresh_lengths:  # untimed: the next forward meets a new key length
                     mx.eval(verifier.forward(model, tokens[:1], caches[name]))
             curve[name][k] = statistics.median(samples)
-        say(f"(b) K={k}  " + "  ".join(f"{n} {c[k]:.2f} ms" for n, c in curve.items()))
-    return curve
+            build[name][k] = statistics.median(built)
+        say(f"(b) K={k}  " + "  ".join(
+            f"{n} {c[k]:.2f} ms (build {build[n][k]:.2f})" for n, c in curve.items()))  # fmt: skip
+    return curve, build
 
 
 # -- (c) batch invariance --------------------------------------------------------------------
@@ -435,6 +445,13 @@ def write_md(data: dict[str, Any], path: Path) -> None:
             cells = [f"{c[k]:.2f}" if k in c else "-" for c in curve.values()]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
         lines += ["", "kernels_cost.png: the same curves (x = K, y = ms)."]
+        build = {n: {int(k): v for k, v in c.items()} for n, c in data.get("build", {}).items()}
+        if build:
+            lines += ["", "Of which building the graph on the host (ms, median):", "",
+                      "| K | " + " | ".join(build) + " |", "|---" * (len(build) + 1) + "|"]  # fmt: skip
+            for k in ks:
+                cells = [f"{c[k]:.2f}" if k in c else "-" for c in build.values()]
+                lines.append(f"| {k} | " + " | ".join(cells) + " |")
     if data.get("invariance"):
         lines += ["", "## (c) K tokens in one forward vs one at a time (rows with bitwise equal "
                   "logits / rows with equal argmax / largest logit difference)", "",
@@ -557,7 +574,7 @@ def main() -> None:
         json.loads(line)["turns"][0] for line in (REPO / "dspark_flow/data/prompts.jsonl").open()
     )
     ids = (list(targets["4bit-stock"][1].encode(text)) * 8)[: args.context]
-    data["curve"] = phase_curve(args, by(0.4), targets, ids)
+    data["curve"], data["build"] = phase_curve(args, by(0.4), targets, ids)
     plot(data["curve"], out / "kernels_cost.png")
     save()
     data["invariance"] = phase_invariance(args, by(0.45), targets, ids)
