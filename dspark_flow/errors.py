@@ -39,10 +39,9 @@ class PromptError(DsparkFlowError):
 
 def validation_message(exc: Exception, what: str) -> str:
     """A pydantic ValidationError as one line naming the field: "what: field: problem"."""
-    errors = getattr(exc, "errors", None)
-    first = errors(include_url=False)[0] if callable(errors) and errors() else None
-    if first is None:
+    errors = exc.errors(include_url=False) if callable(getattr(exc, "errors", None)) else []
+    if not errors:
         return f"{what}: {exc}"
-    field = ".".join(str(p) for p in first["loc"]) or "(settings)"
-    more = len(errors()) - 1
-    return f"{what}: {field}: {first['msg']}" + (f" (and {more} more)" if more else "")
+    field = ".".join(str(p) for p in errors[0]["loc"]) or "(settings)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{what}: {field}: {errors[0]['msg']}{more}"
