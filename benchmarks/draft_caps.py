@@ -448,7 +448,7 @@ def record_proposals(drafter: Any) -> list[tuple[int, int]]:
 
     def recorded(history: list[int], k: int) -> Any:
         draft = propose(history, k)
-        calls.append((len(history), len(draft.tokens)))
+        calls.append((len(history), draft.count))
         return draft
 
     drafter.propose = recorded

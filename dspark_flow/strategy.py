@@ -63,6 +63,30 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     probs: mx.array | None = None
+    # Token ids still on the device (greedy block drafters, for samplers that resolve them):
+    # the loop builds the verify forward on them while the drafter computes, and the sampler's
+    # one host sync fills `tokens`. None once on the host.
+    pending: mx.array | None = None
+
+    @property
+    def count(self) -> int:
+        """How many tokens are proposed (known before `pending` is evaluated)."""
+        return len(self.tokens) if self.pending is None else int(self.pending.shape[0])
+
+    def resolve(self, values: list[int] | None = None) -> Draft:
+        """Bring pending ids to the host (from `values`, fetched with others, or a sync)."""
+        if self.pending is not None:
+            self.tokens = [int(t) for t in (self.pending.tolist() if values is None else values)]
+            self.pending = None
+        return self
+
+    def ids(self, last: int) -> list[int] | mx.array:
+        """[last, *draft] as the verify forward takes it: a list, or lazily on the device."""
+        if self.pending is None:
+            return [last, *self.tokens]
+        import mlx.core as mx  # this module imports mlx for types only
+
+        return mx.concatenate([mx.array([last], dtype=mx.uint32), self.pending.astype(mx.uint32)])
 
 
 class Drafter(Strategy):
@@ -98,8 +122,10 @@ class Drafter(Strategy):
 class Verifier(Strategy):
     slot = "verifier"
 
-    def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
-        """Run the target on `tokens` appended to `cache`; return logits (len(tokens), vocab)."""
+    def forward(self, model: nn.Module, tokens: list[int] | mx.array, cache: list[Any]) -> mx.array:
+        """Run the target on `tokens` appended to `cache`; return logits (len(tokens), vocab).
+        `tokens` is a list of ids, or a lazy uint32 array where the draft is still being
+        computed (`mx.array(tokens, dtype=mx.uint32)` takes both without a sync)."""
         raise NotImplementedError
 
 
@@ -123,6 +149,10 @@ class Sampler(Strategy):
     def sample(self, logits: mx.array) -> mx.array:
         """Draw one token per row of `logits` (lazy, no host sync)."""
         raise NotImplementedError
+
+    # True where verify() takes a draft whose ids are still `pending` and resolves them in its
+    # sync; drafters hand pending drafts only to such samplers.
+    resolves_pending: ClassVar[bool] = False
 
     def verify(self, logits: mx.array, draft: Draft) -> tuple[int, int]:
         """Accept a prefix of `draft` against target `logits` (k+1 rows).

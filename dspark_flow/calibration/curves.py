@@ -253,6 +253,8 @@ def measure_drafter(
         for k in range(1, block + 1):
             t0 = time.perf_counter()
             draft = drafter.propose(list(history), k)
+            if getattr(draft, "pending", None) is not None:
+                draft.resolve()  # a greedy block drafter's ids come back lazily: wait for them
             if getattr(draft, "probs", None) is not None:
                 mx.eval(draft.probs)
             if r >= warmup:

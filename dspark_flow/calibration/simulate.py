@@ -77,7 +77,7 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
     originals = drafter.propose, pipeline.draft_cap.choose, sampler.verify
 
     def propose(history: list[int], k: int) -> Draft:
-        drafts[len(history) - prompt_len] = list(originals[0](history, k).tokens)
+        drafts[len(history) - prompt_len] = list(originals[0](history, k).resolve().tokens)
         return Draft()  # the round verifies only the target's own token
 
     def verify(logits: Any, draft: Draft) -> tuple[int, int]:

@@ -137,8 +137,10 @@ def decode(
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
         draft = c.drafter.propose(prompt_ids + generated, k) if k > 0 else Draft()
-        logits = c.verifier.forward(c.model, [generated[-1], *draft.tokens], cache)
-        accepted, next_token = c.sampler.verify(logits, draft)
+        if draft.pending is not None:  # the drafter computes while the verify graph is built
+            mx.async_eval(draft.pending)
+        logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
+        accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
         c.cache.trim(cache, len(draft.tokens) - accepted)
         forwards += 1
         start = len(generated)

@@ -260,6 +260,13 @@ class BlockDrafter(Drafter):
     def greedy(self) -> bool:
         return self._sampler is None or self._sampler.greedy
 
+    @property
+    def leave_pending(self) -> bool:
+        """Hand greedy drafts over with their ids still on the device (`Draft.pending`) where the
+        sampler resolves them: the loop then builds the verify forward while this drafter's
+        forward runs, and the round keeps one host sync."""
+        return self.greedy and getattr(self._sampler, "resolves_pending", False)
+
     def draw(self, q: mx.array) -> mx.array:
         """One token from the processed distribution q (lazy; no host sync)."""
         sample_from = getattr(self._sampler, "sample_from", None)

@@ -110,7 +110,8 @@ class DFlashDrafter(BlockDrafter):
         if self.trace is not None:
             self.trace.extend(logits)
         if self.greedy:
-            return Draft(tokens=self.token_ids(mx.argmax(logits, axis=-1)).tolist())
+            ids = self.token_ids(mx.argmax(logits, axis=-1))
+            return Draft(pending=ids) if self.leave_pending else Draft(tokens=ids.tolist())
         q = self._sampler.probs(logits)  # type: ignore[union-attr]
         tokens = self.token_ids(mx.stack([self.draw(q[i]) for i in range(n)]))
         return Draft(tokens=tokens.tolist(), probs=self.full_probs(q))
@@ -143,5 +144,7 @@ class DFlashDrafter(BlockDrafter):
                 dists.append(mx.zeros((vocab,), mx.float32).at[cands[j]].add(q))
             prev = cands[j][pick].reshape(1)
             tokens.append(prev[0])
+        if self.leave_pending:
+            return Draft(pending=mx.stack(tokens))
         ids = mx.stack(tokens).tolist()  # the drafter's one host sync
         return Draft(tokens=ids, probs=mx.stack(dists) if dists else None)

@@ -173,13 +173,15 @@ class DSparkDrafter(BlockDrafter):
             prev = token.reshape(1)
         if n == 0:
             return Draft()
+        threshold = self.config.confidence_threshold
+        if self.leave_pending and not (confs and threshold > 0.0):  # the length is known: n
+            return Draft(pending=mx.stack(tokens))
         packed = mx.stack(tokens).astype(mx.float32)
         if confs:
             packed = mx.concatenate([packed, mx.sigmoid(mx.stack(confs).astype(mx.float32))])
         values = packed.tolist()  # the drafter's one host sync
         ids = [int(t) for t in values[:n]]
         keep = n
-        threshold = self.config.confidence_threshold
         if confs and threshold > 0.0:
             below = [i for i, c in enumerate(values[n:]) if c < threshold]
             keep = below[0] if below else n

@@ -15,7 +15,13 @@ class GreedyConfig(StrategyConfig):
 
 def greedy_verify(logits: mx.array, draft: Draft) -> tuple[int, int]:
     """Longest prefix of the draft equal to the target's argmax, plus the argmax after it."""
-    choices = mx.argmax(logits, axis=-1).tolist()  # the round's one host sync
+    choices = mx.argmax(logits, axis=-1)
+    if draft.pending is None:
+        choices = choices.tolist()  # the round's one host sync
+    else:  # a pending draft comes to the host in the same sync
+        both = mx.concatenate([choices.astype(mx.int64), draft.pending.astype(mx.int64)]).tolist()
+        choices = both[: logits.shape[0]]
+        draft.resolve(both[logits.shape[0] :])
     n = 0
     for proposed, chosen in zip(draft.tokens, choices):
         if proposed != chosen:
@@ -26,6 +32,7 @@ def greedy_verify(logits: mx.array, draft: Draft) -> tuple[int, int]:
 
 class GreedySampler(Sampler):
     Config = GreedyConfig
+    resolves_pending = True
 
     def probs(self, logits: mx.array) -> mx.array:
         return mx.softmax(logits.astype(mx.float32), axis=-1)

@@ -52,6 +52,7 @@ def processed_probs(
 
 class SpeculativeSampler(Sampler):
     Config = SampleConfig
+    resolves_pending = True
     config: SampleConfig
 
     def __init__(self, config: SampleConfig | None = None):
@@ -88,6 +89,7 @@ class SpeculativeSampler(Sampler):
     def verify(self, logits: mx.array, draft: Draft) -> tuple[int, int]:
         if self.greedy:
             return greedy_verify(logits, draft)
+        draft.resolve()  # drafters leave ids pending only when greedy; a sync otherwise
         k = len(draft.tokens)
         p = self.probs(logits)
         if k == 0:
