@@ -127,6 +127,34 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("name", ["dspark", "dflash"])
+def test_pending_drafts_commit_what_synced_drafts_commit(tmp_path, tiny4, tok, name, monkeypatch):
+    # Greedy block drafts reach the verify with their ids still on the device where the sampler
+    # resolves them; with a sampler that does not, the drafter syncs first. Same tokens.
+    kind, path, options = make_checkpoint(tmp_path, name)
+    drafter = api.load_drafter(str(path), tiny4, **options)
+    pending = []
+    propose = drafter.propose
+
+    def counted(history, k):
+        draft = propose(history, k)
+        pending.append(draft.pending is not None)
+        return draft
+
+    monkeypatch.setattr(drafter, "propose", counted)
+    outputs = {}
+    for resolves in (True, False):
+        monkeypatch.setattr(GreedySampler, "resolves_pending", resolves)
+        pending.clear()
+        outputs[resolves] = [
+            api.speculative_generate(tiny4, tok, drafter, p, max_new_tokens=16,
+                                     max_draft_tokens=None, chat=False).token_ids
+            for p in PROMPTS
+        ]  # fmt: skip
+        assert pending and all(pending) == resolves and any(pending) == resolves
+    assert outputs[True] == outputs[False]
+
+
 def make_checkpoint(tmp_path: Path, name: str, seed: int = 0) -> tuple[str, Path, dict]:
     kind, cfg, options = LAYOUTS[name]
     return kind, h.write_checkpoint(tmp_path / name, cfg, h.random_tensors(cfg, seed)), options
