@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dspark_flow.engine.textstream import TextStream
+from dspark_flow.errors import ConfigError
 from dspark_flow.result import GenResult
 from dspark_flow.strategy import (
     CacheStrategy,
@@ -141,6 +142,8 @@ def decode(
             mx.async_eval(draft.pending)
         logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
         accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
+        if draft.pending is not None:  # a sampler claiming resolves_pending that did not
+            raise ConfigError(f"sampler {type(c.sampler).__name__} left the draft's ids pending")
         c.cache.trim(cache, len(draft.tokens) - accepted)
         forwards += 1
         start = len(generated)
