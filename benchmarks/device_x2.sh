@@ -18,7 +18,8 @@
 # exported into out/drafters and benched beside the shipped ones; no stage-1 drafter needed.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
-# with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup` as the budget allows.
+# with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending` as
+# the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
 #   bash benchmarks/device_x2.sh first    (with the last staged part: after `source .stage/unstage.sh`)
@@ -313,7 +314,18 @@ case "${1:-}" in
   solo-lookup)
     sweep lookup 2 $(upto 20) --ks 1-10 --verifier '{kind: kernels, invariant: true}' --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup" >&2; exit 2 ;;
+  solo-pending)  # lazy greedy drafts (Draft.pending) against synced ones, A/B in one process per
+    # verifier: DSpark at fixed k (CAP, default 5), 4 prompts x TRIALS (default 4), 96 tokens
+    set -- '{kind: kernels, invariant: true}' '{kind: reference}'
+    while [ $# -gt 0 ]; do  # each verifier an equal share of what the call has left
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(upto 15) / $# + 1 )) python3 -P benchmarks/pending_ab.py \
+        --set "verifier=$1" --cap "{kind: fixed, k: ${CAP:-5}}" --trials "${TRIALS:-4}" \
+        >> $O/pending.log 2>&1 || ended $? "pending_ab $1"
+      shift
+    done
+    grep -E "^pending" $O/pending.log
+    ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
