@@ -1,7 +1,16 @@
-"""CUDA source shared by the kernels: float conversions for the activation dtypes.
-
-Prepended to each kernel's header (each kernel is its own compilation unit, so nothing clashes).
+"""What the CUDA-only kernels share: float conversions for the activation dtypes (prepended to
+each kernel's header; each kernel is its own compilation unit, so nothing clashes), and the
+backend check.
 """
+
+
+def cuda_backend() -> str | None:
+    """'cuda' where the default device runs MLX's CUDA backend, else None (the kernels that
+    exist only for CUDA: `qmv_rows`, `sdpa_small_q`, `sdpa_vector_rows`)."""
+    from dspark_flow.kernels.qmm_small_m import kernel_backend
+
+    return "cuda" if kernel_backend() == "cuda" else None
+
 
 # to_f: any activation type to float; from_f<U>: float back to the output type.
 CUDA_FLOAT_CONVERSIONS = r"""

@@ -247,6 +247,24 @@ def unsupported_reason(
     backend: str | None = None,
 ) -> str | None:
     """Why `qmm_small_m` would decline these inputs, or None when a kernel would run."""
+    why = layout_reason(x, w, scales, biases, group_size, bits)
+    if why is not None:
+        return why
+    n, k = w.shape[0], x.shape[-1]
+    return shape_reason(x.size // k, n, k, bits, group_size, x.dtype, scales.dtype, backend)
+
+
+def layout_reason(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+) -> str | None:
+    """Why these arrays are not an affine-quantized product the kernels take (biases present,
+    packed weights matching K, scales and biases per group), or None. Each kernel's
+    `shape_reason` then says whether it runs that shape."""
     if biases is None:
         return "affine weights need biases"
     if w.ndim != 2 or w.dtype != mx.uint32 or x.ndim < 1 or x.shape[-1] == 0:
@@ -258,8 +276,7 @@ def unsupported_reason(
         return f"scales/biases shapes {tuple(scales.shape)} != {(n, k // group_size)}"
     if biases.dtype != scales.dtype:
         return "biases and scales differ in dtype"
-    rows = x.size // k
-    return shape_reason(rows, n, k, bits, group_size, x.dtype, scales.dtype, backend)
+    return None
 
 
 def _kernel(backend: str) -> Any:

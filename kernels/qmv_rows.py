@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
+from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS, cuda_backend
 
 KERNEL_NAME = "qmv_rows"
 ELEMS_PER_LANE = 8  # qmv's elems_per_thread for float32 activations
@@ -117,11 +117,8 @@ _CUDA_SOURCE = r"""
 _kernels: dict[str, Any] = {}
 
 
-def kernel_backend() -> str | None:
-    """'cuda' where this module has a kernel for the default device, else None."""
-    from dspark_flow.kernels.qmm_small_m import kernel_backend as gpu_backend
-
-    return "cuda" if gpu_backend() == "cuda" else None
+# 'cuda' where this module has a kernel for the default device, else None.
+kernel_backend = cuda_backend
 
 
 def shape_reason(
@@ -190,9 +187,12 @@ def qmv_rows(
     fused: int = 1,
 ) -> mx.array | None:
     """`x @ dequant(w).T` through the CUDA kernel, or None where it has none. x: (..., K)."""
+    from dspark_flow.kernels.qmm_small_m import layout_reason
+
+    if layout_reason(x, w, scales, biases, group_size, bits) is not None:
+        return None
     k = x.shape[-1]
-    why = shape_reason(x.size // max(k, 1), w.shape[0], k, bits, group_size, x.dtype, scales.dtype)
-    if why is not None or biases is None or w.shape[1] * 32 // bits != k:
+    if shape_reason(x.size // k, w.shape[0], k, bits, group_size, x.dtype, scales.dtype):
         return None
     return qmv_rows_trusted(x, w, scales, biases, group_size, bits, fused)
 

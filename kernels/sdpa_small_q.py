@@ -35,7 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
+from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS, cuda_backend
 
 KERNEL_NAME = "sdpa_small_q"
 MAX_QUERIES = 16
@@ -145,11 +145,8 @@ _kernel_cache: dict[str, Any] = {}
 _scales: dict[float, mx.array] = {}  # one small array per softmax scale, not one per call
 
 
-def kernel_backend() -> str | None:
-    """'cuda' where this module has a kernel for the default device, else None."""
-    from dspark_flow.kernels.qmm_small_m import kernel_backend as gpu_backend
-
-    return "cuda" if gpu_backend() == "cuda" else None
+# 'cuda' where this module has a kernel for the default device, else None.
+kernel_backend = cuda_backend
 
 
 def shape_reason(

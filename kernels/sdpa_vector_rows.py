@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS
+from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS, cuda_backend
 
 KERNEL_NAME = "sdpa_vector_rows"
 ONE_PASS_KEYS = 1024  # MLX: more keys than this take the two-pass kernels
@@ -239,11 +239,8 @@ _kernels: dict[str, Any] = {}
 _scales: dict[float, mx.array] = {}
 
 
-def kernel_backend() -> str | None:
-    """'cuda' where this module has a kernel for the default device, else None."""
-    from dspark_flow.kernels.qmm_small_m import kernel_backend as gpu_backend
-
-    return "cuda" if gpu_backend() == "cuda" else None
+# 'cuda' where this module has a kernel for the default device, else None.
+kernel_backend = cuda_backend
 
 
 def shape_reason(
