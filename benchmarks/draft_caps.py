@@ -378,7 +378,9 @@ def replay_report(
     sticky: float | None = None,
 ) -> str:
     """The strategies replayed on recorded drafts (see the module docstring), rendered like
-    the measured tables: each strategy visits the prompts in order, its state carried along."""
+    the measured tables: each strategy visits the prompts in order, its state carried along,
+    once untimed first as the measured run's warm-up trial does (so `auto` starts each prompt
+    from the state the timed trials start from: what the last prompt left, not the prior)."""
     from dspark_flow.calibration.simulate import DraftTrace, replay
     from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
     from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
@@ -402,6 +404,8 @@ def replay_report(
     taus: dict[str, list[list[float]]] = {n: [] for n in names}
     auto_k: dict[str, Counter[int]] = defaultdict(Counter)
     for name, cap in caps.items():
+        for trace in runs:  # the warm-up pass
+            replay(cap, trace, curves, block or max(ks))
         for trace in runs:
             one = replay(cap, trace, curves, block or max(ks))
             seconds[name].append([one.seconds])

@@ -1,0 +1,106 @@
+"""Where a trained drafter's acceptance goes: teacher-forced against decoded, training-split
+prompts against held-out ones (issue 5's "what limited it").
+
+For each prompt the target's greedy answer is decoded speculatively (full block, the product's
+loop: decoded τ), then the same sequence goes through the drafter's training pass with an anchor
+at every answer position: the teacher-forced τ averages over all anchors (the training log's
+figure), and walking those anchors as decoding does (next anchor after each accepted run) gives a
+simulated τ that should equal the decoded one if training and inference agree. Training-split
+prompts against held-out ones tells over-fitting from under-fitting.
+
+    python benchmarks/tau_diagnosis.py --per-category 6    # CPU: ~4 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
+import dspark_flow.training.trainer as trainer_module
+from dspark_flow.api import load_drafter, speculative_generate
+from dspark_flow.training.blocks import sample_blocks
+from dspark_flow.training.data import Sample, _encode, read_prompts
+from dspark_flow.training.recipe import PromptFile, load_train_recipe
+from dspark_flow.training.warm_start import start_from
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
+
+
+def prompt_sets(n: int) -> dict[str, PromptFile]:
+    return {
+        "train gsm8k": PromptFile(path=str(PROMPTS / "gsm8k.jsonl"), lines="1-1000", limit=n),
+        "train mbpp": PromptFile(path=str(PROMPTS / "mbpp.jsonl"), limit=n),
+        "held-out chat": PromptFile(path=str(PROMPTS / "mt-bench.jsonl"), limit=n),
+        "held-out code": PromptFile(path=str(PROMPTS / "humaneval.jsonl"), limit=n),
+        "held-out math": PromptFile(path=str(PROMPTS / "gsm8k.jsonl"), lines="1001-", limit=n),
+    }
+
+
+def main() -> int:
+    import mlx.core as mx  # after dspark_flow (OpenBLAS first)
+    import numpy as np
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes/train/smollm2-135m-dspark.yaml"))
+    ap.add_argument("--drafter", default=None, help="drafter dir (default: the recipe's output)")
+    ap.add_argument("--per-category", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None, help="write the table as JSON here")
+    args = ap.parse_args()
+
+    recipe = load_train_recipe(args.recipe)
+    shipped = Path(args.drafter or recipe.output)
+    hits: dict[str, mx.array] = {}
+    original = trainer_module.draft_losses
+
+    def keep_hits(logits, labels, weights, *rest, **kw):  # noqa: ANN001, ANN202
+        hits["last"] = (mx.argmax(logits, axis=-1) == labels) & (weights > 0)
+        return original(logits, labels, weights, *rest, **kw)
+
+    trainer_module.draft_losses = keep_hits  # the training pass's own hit test, per anchor
+    tr = trainer_module.DrafterTrainer(recipe, progress=False).warm_up()
+    start_from(tr.model, tr.spec, shipped, recipe.drafter.kind, tr.mask_id, tr.compute_dtype)
+    drafter = load_drafter(str(shipped), tr.target, quantize=None)
+    first = tr.first_slot
+    rows = {}
+    for name, spec in prompt_sets(args.per_category).items():
+        dec, sim, forced = [], [], []
+        for prompt in read_prompts(spec):
+            res = speculative_generate(
+                tr.target, tr.tokenizer, drafter, prompt,
+                max_new_tokens=args.max_tokens, max_draft_tokens=None,
+            )  # fmt: skip
+            dec += res.accept_lengths
+            prompt_ids = _encode(tr.tokenizer, prompt, None)
+            tokens = np.array(prompt_ids + list(res.token_ids), dtype=np.int32)
+            b = sample_blocks(
+                [Sample(tokens=tokens, prompt_len=len(prompt_ids), source=name)],
+                seq_len=len(tokens), anchors=len(res.token_ids) - 1,
+                block_size=recipe.drafter.block_size, first_slot=first,
+                mask_token_id=tr.mask_id, pad_id=tr.pad_id, rng=np.random.default_rng(0),
+            )  # fmt: skip
+            feats, t_logits = tr._target_pass(mx.array(b.tokens), mx.array(b.aligned))
+            arrays = (b.block_ids, b.block_pos, b.mask, b.labels, b.prev, b.weights)
+            tr._loss(tr.model, feats, t_logits, *map(mx.array, arrays))
+            runs = np.cumprod(np.array(hits["last"][0]), axis=-1).sum(-1)  # anchors in order
+            forced += (runs + 1).tolist()
+            i = 0
+            while i < len(runs):  # decoding's anchors: one after each accepted run
+                sim.append(int(runs[i]) + 1)
+                i += int(runs[i]) + 1
+        rows[name] = {
+            "decoded": float(np.mean(dec)),
+            "simulated": float(np.mean(sim)),
+            "teacher_forced": float(np.mean(forced)),
+        }
+        print(name, {k: round(v, 2) for k, v in rows[name].items()}, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
