@@ -531,9 +531,12 @@ def _matmul_routes(verifier: KernelVerifier) -> set[tuple[str, ...]]:
 def test_invariant_mode_takes_the_stock_matmul_where_it_is_invariant_and_cheaper(
     monkeypatch, tiny_quantized
 ):
-    # The kernels are correct but slower; MLX's CPU matmul and attention compute 1..4 rows
-    # alike at this model's shapes (measured by the probes), so both stay stock.
+    # The kernels are correct but slower; MLX's CPU matmul computes 1..4 rows alike at this
+    # model's shapes (measured by the probe), and its attention is taken to (the measured span
+    # depends on the CPU: 4 on one CI machine, 2-3 on another), so both stay stock.
     monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
+    span_four = probe.Verdict(True, "query rows 1..4", extra={"span": 4}, correct=True)
+    monkeypatch.setattr(probe, "probe_sdpa_stock_span", lambda *a, **k: span_four)
     verifier = _emulated_verifier(max_rows=4, invariant=True)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
@@ -544,8 +547,6 @@ def test_invariant_mode_takes_the_stock_matmul_where_it_is_invariant_and_cheaper
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
     prompt = [504, 2365, 6354, 504, 2365]
     assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
-    attention_spans = [v for v in verifier.verdicts if v["kernel"] == "sdpa_stock_span"]
-    assert attention_spans and all(v["extra"]["span"] == 4 for v in attention_spans)
     assert verifier.kernel_calls == 0 and verifier.attention_calls == 0
     verifier.restore()
 
