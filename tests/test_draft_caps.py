@@ -610,6 +610,9 @@ def test_auto_just_below_break_even_loses_little():
                 rounds += geometric_rounds(cap, rng, q, 100, 7)
             time = sum(seconds[k] for k, _ in rounds)
             rates.append(sum(got + 1 for _, got in rounds) / time * plain)
-        # Measured 0.964-0.978 (the goal says 0.97; the switch on the point estimate alone got
-        # 0.975-0.985 here but 0.917 of the best fixed k on the H200 code replay: docs §3).
-        assert sum(rates) / len(rates) >= 0.96, (q, rates)
+        # Measured 0.955-0.972 (the goal says 0.97; the switch on the point estimate alone got
+        # 0.975-0.985 here but 0.917 of the best fixed k on the H200 code replay, and on the
+        # first rate's quantile alone 0.964-0.978 here but 0.936 on the H200 DFlash chat
+        # replay: docs §3). This scenario, a costly drafter just below break-even, is the
+        # price of not switching off on thin evidence.
+        assert sum(rates) / len(rates) >= 0.95, (q, rates)

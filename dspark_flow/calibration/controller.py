@@ -291,8 +291,9 @@ class CurveCap(DraftCap):
         if self.curves is None:
             return None
         p_first, p = self.acceptance()
-        if optimistic:  # the first position as high as the evidence still plausibly allows
-            p_first = self.estimator.first.upper(getattr(self.config, "off_confidence", 0.9))
+        if optimistic:  # both rates as high as the evidence still plausibly allows
+            level = getattr(self.config, "off_confidence", 0.9)
+            p_first, p = self.estimator.first.upper(level), self.estimator.next.upper(level)
         limit = self.limit(drafter_max)
         margin = getattr(self.config, "switch_margin", 0.0)
         keep = self._planned_k if margin > 0 and self._planned_k > 0 else None
@@ -356,9 +357,12 @@ class CurveCap(DraftCap):
         Switching off is the costly mistake: while off only sparse probes bring evidence, so a
         drafter that was unlucky for a few rounds (the first rounds of a prompt, a run of
         misses) stays off for long, whereas drafting on through a run of misses costs only the
-        difference to break-even. So drafting stays on while the first position's acceptance
-        could still plausibly (the `off_confidence` quantile of its Beta posterior) be high
-        enough to pay. The counts decay and include the prior and what a previous request left,
+        difference to break-even. So drafting stays on while the acceptance could still
+        plausibly (the `off_confidence` quantile of each rate's Beta posterior) be high enough
+        to pay. Both rates: the later positions' one learns only from rounds whose first draft
+        was accepted, so where a prompt starts with misses it is mostly what the previous prompt
+        left (on the H200's DFlash chat replay, the first rate alone switched drafting off where
+        it paid 18%). The counts decay and include the prior and what a previous request left,
         so a drafter that has missed for a window, in this request or the last, is off at once;
         where a draft costs little, proof that it never pays takes longer, but also costs less.
         """

@@ -3,7 +3,7 @@
 Each round's (proposed, accepted) updates a forgetting estimate of the per-position acceptance
 p (see `AcceptanceEstimator`), and k is re-picked from the measured curves. When no k is
 expected to beat plain decoding (gain < `min_gain`), and the evidence is firm about it (even the
-`off_confidence` quantile of the first position's acceptance would not pay), it drafts nothing,
+`off_confidence` quantile of each acceptance rate would not pay), it drafts nothing,
 except a short probe every `probe_every` rounds or more, so that it notices when drafts start
 matching again.
 """
