@@ -274,10 +274,15 @@ def cycle_target():
         return nn.losses.cross_entropy(m(seq[None, :-1])[0], seq[1:], reduction="mean")
 
     opt, step = optim.Adam(learning_rate=5e-3), nn.value_and_grad(target, loss_fn)
-    for _ in range(300):
-        _, grads = step(target)
-        opt.update(target, grads)
-        mx.eval(target.parameters(), opt.state)
+    # Until it predicts every position past the first two (whose successor is ambiguous): 300
+    # steps sufficed on one CPU but not on another (same seed, other rounding).
+    for _ in range(20):
+        for _ in range(100):
+            _, grads = step(target)
+            opt.update(target, grads)
+            mx.eval(target.parameters(), opt.state)
+        if mx.all(target(seq[None, :-1])[0, 2:].argmax(-1) == seq[3:]).item():
+            break
     return target
 
 
