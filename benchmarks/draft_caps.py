@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         model_checks: Any = {}
         table = ""
         if trials_done:
-            speed, checks = summarize(names, cats, prompts, tokens, times)
+            speed, checks = summarize(names, cats, prompts, tokens, times, paired=True)
             model_speed, model_checks = summarize(names, cats, prompts, tokens, modelled)
             table = (
                 "Measured (wall clock, decode tok/s):\n\n"
@@ -473,9 +473,12 @@ def summarize(
     prompts: list[tuple[str, str]],
     tokens: list[int],
     seconds: dict[str, list[list[float]]],
+    paired: bool = False,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
     """Tokens per second per category (decode tokens over the sum of per-prompt median times)
-    and the goal checks."""
+    and the goal checks; with `paired` (wall clocks of two trials or more) also the median over
+    runs of one strategy's time over auto's on the same prompt in the same trial, which a
+    machine's slow phases (they hit both runs of a pair alike) disturb less."""
     speed: dict[str, dict[str, float]] = {}
     for name in names:
         speed[name] = {}
@@ -498,6 +501,17 @@ def summarize(
     if "auto sticky" in speed:
         for c in cats:
             checks[c]["sticky_vs_best_fixed"] = speed["auto sticky"][c] / speed[best[c]][c]
+    if paired and max(len(runs) for runs in seconds["auto"]) > 1:
+        for c in cats:
+            idx = [i for i, (cat, _) in enumerate(prompts) if c in (cat, "all")]
+            for key, other in (("paired_vs_best_fixed", best[c]), ("paired_vs_greedy", "greedy")):
+                ratios = [
+                    theirs / ours
+                    for i in idx
+                    for ours, theirs in zip(seconds["auto"][i], seconds[other][i], strict=False)
+                    if ours > 0
+                ]
+                checks[c][key] = statistics.median(ratios) if ratios else float("nan")
     return speed, checks
 
 
@@ -522,6 +536,8 @@ def render(
     for key, label in (
         ("auto_vs_best_fixed", "auto / best fixed (goal >= 0.95)"),
         ("auto_vs_greedy", "auto / greedy (goal >= 0.97)"),
+        ("paired_vs_best_fixed", "auto / best fixed, median of paired runs"),
+        ("paired_vs_greedy", "auto / greedy, median of paired runs"),
         ("calibrated_vs_best_fixed", "calibrated / best fixed"),
         ("sticky_vs_best_fixed", "auto sticky / best fixed"),
     ):

@@ -450,6 +450,29 @@ def test_replay_charges_each_round_what_it_drafted():
     assert got.seconds == pytest.approx(want)
 
 
+def test_the_benchmark_pairs_each_auto_run_with_the_same_trial_s_other_run():
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "draft_caps.py"
+    spec = importlib.util.spec_from_file_location("draft_caps_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = [("chat", "a"), ("chat", "b")]
+    seconds = {  # per prompt, per trial; trial 2 of prompt a ran in a slow phase for everyone
+        "greedy": [[2.0, 4.0], [2.0, 2.0]],
+        "fixed k=1": [[1.0, 2.0], [1.0, 1.0]],
+        "calibrated": [[1.0, 2.0], [1.0, 1.0]],
+        "auto": [[1.0, 2.0], [1.25, 1.25]],
+    }
+    speed, checks = bench.summarize(list(seconds), ["chat"], prompts, [11, 11], seconds, True)
+    # Medians per prompt: auto 1.5 + 1.25 against fixed 1.5 + 1.0 s; pairs: 1, 1, 0.8, 0.8.
+    assert checks["chat"]["auto_vs_best_fixed"] == pytest.approx(2.5 / 2.75)
+    assert checks["chat"]["paired_vs_best_fixed"] == pytest.approx(0.9)
+    assert checks["chat"]["paired_vs_greedy"] == pytest.approx(1.8)  # pairs 2, 2, 1.6, 1.6
+    _, unpaired = bench.summarize(list(seconds), ["chat"], prompts, [11, 11], seconds)
+    assert "paired_vs_best_fixed" not in unpaired["chat"]
+
+
 def test_the_benchmark_replays_recorded_drafts_against_other_curves(tmp_path):
     import subprocess
     import sys
