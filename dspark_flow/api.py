@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
-from dspark_flow.errors import ConfigError, validation_message
-from dspark_flow.pipeline import Pipeline, Prompt, stop_strings
+from dspark_flow.errors import ConfigError
+from dspark_flow.pipeline import Pipeline, Prompt, build_strategy, stop_strings
 from dspark_flow.recipe.schema import DEFAULT_MODEL
 from dspark_flow.result import GenResult
 
@@ -166,7 +164,6 @@ def load_drafter(
     GPU backends and none on the CPU backend, where MLX's quantized matmul costs K times one row.
     A checkpoint stored quantized keeps its quantization, but on the CPU backend with dtype
     'auto' it is dequantized to float32 (unless `quantize` is 4 or 8)."""
-    from dspark_flow import registry
     from dspark_flow.models.drafter_loading import DEEPSPEC, read_spec
     from dspark_flow.models.loading import resolve_model_path
     from dspark_flow.strategy import BuildContext
@@ -174,14 +171,8 @@ def load_drafter(
     path = resolve_model_path(checkpoint, revision)
     if kind is None:
         kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
-    cls = registry.load_kind("drafter", kind)
-    try:
-        config = cls.Config(
-            checkpoint=checkpoint, revision=revision, quantize=quantize, dtype=dtype, **options
-        )
-    except ValidationError as exc:
-        raise ConfigError(validation_message(exc, f"drafter {kind}")) from None
-    drafter = cls(config)
+    section = {"kind": kind, "checkpoint": checkpoint, "revision": revision, "quantize": quantize}
+    drafter = build_strategy("drafter", {**section, "dtype": dtype, **options})
     drafter.load_path(path)
     drafter.warm_up(BuildContext(model=target, tokenizer=None, recipe=None))
     return drafter
