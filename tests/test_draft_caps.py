@@ -104,6 +104,27 @@ def test_a_changed_weight_format_changes_the_key(tiny, tmp_path):
     assert CurveStore(tmp_path).path_for(k32) != CurveStore(tmp_path).path_for(k16)
 
 
+def test_the_key_ignores_what_changes_between_runs_of_one_device(tiny, monkeypatch):
+    """CUDA's device_info carries the free memory (and the card's uuid and bus id): the key must
+    not, or every process measures its curves again; the kind of device still keys them."""
+    import mlx.core as mx
+
+    from dspark_flow.calibration.store import make_key
+
+    card = {"device_name": "NVIDIA H200", "total_memory": 150754820096, "architecture": "sm_90"}
+    runs = [
+        {**card, "free_memory": 149312045056, "uuid": "GPU-5a3f", "pci_bus_id": "0000:00:06.0"},
+        {**card, "free_memory": 149312110592, "uuid": "GPU-11fd", "pci_bus_id": "0000:00:07.0"},
+        {**card, "device_name": "NVIDIA H100", "free_memory": 1, "uuid": "x", "pci_bus_id": "y"},
+    ]
+    keys = []
+    for info in runs:
+        monkeypatch.setattr(mx, "device_info", lambda info=info: dict(info))
+        keys.append(make_key(tiny, lookup()))
+    assert keys[0] == keys[1] and keys[0]["machine"]["device"] == card
+    assert keys[2] != keys[0]
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -450,13 +471,18 @@ def test_replay_charges_each_round_what_it_drafted():
     assert got.seconds == pytest.approx(want)
 
 
-def test_the_benchmark_pairs_each_auto_run_with_the_same_trial_s_other_run():
+def _draft_caps_script():  # noqa: ANN202
     import importlib.util
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "draft_caps.py"
     spec = importlib.util.spec_from_file_location("draft_caps_bench", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_benchmark_pairs_each_auto_run_with_the_same_trial_s_other_run():
+    bench = _draft_caps_script()
     prompts = [("chat", "a"), ("chat", "b")]
     seconds = {  # per prompt, per trial; trial 2 of prompt a ran in a slow phase for everyone
         "greedy": [[2.0, 4.0], [2.0, 2.0]],
@@ -639,3 +665,34 @@ def test_auto_just_below_break_even_loses_little():
         # replay: docs §3). This scenario, a costly drafter just below break-even, is the
         # price of not switching off on thin evidence.
         assert sum(rates) / len(rates) >= 0.95, (q, rates)
+
+
+def test_the_benchmark_merges_the_trials_of_two_runs_and_refuses_unlike_runs(tmp_path, capsys):
+    bench = _draft_caps_script()
+
+    def run(name: str, auto: float, drafter: str = "dspark", prompt: str = "a") -> str:
+        times = {"greedy": [[2.0]], "fixed k=1": [[1.0]], "calibrated": [[1.0]], "auto": [[auto]]}
+        data = {
+            "header": f"command: benchmarks/draft_caps.py --drafter {drafter} --trials 1\n",
+            "prompts": [["chat", prompt]],
+            "tokens": [11],
+            "times": times,
+            "taus": {n: [[1.0 if n == "greedy" else 2.0]] for n in times},
+            "auto_k": {"chat": {"1": 5}},
+        }
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        return str(path)
+
+    a, b = run("a", 1.0), run("b", 2.0)
+    assert bench.main(["--merge", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "2 trials from 2 runs" in out
+    # auto's median over both runs' trials: 1.5 s against fixed k=1's 1.0 s.
+    assert "| auto / best fixed (goal >= 0.95) | 0.667 | 0.667 |" in out
+    # Pairs (fixed k=1's time over auto's, trial by trial): 1.0 and 0.5.
+    assert "| auto / best fixed, median of paired runs | 0.750 | 0.750 |" in out
+    assert "| auto's k (k:rounds) | 1:10 |" in out and "| 2.00 |" in out
+    assert bench.main(["--merge", a, run("c", 1.0, drafter="dflash")]) == 2
+    assert bench.main(["--merge", a, run("d", 1.0, prompt="other")]) == 2
+    assert "other prompts" in capsys.readouterr().err

@@ -142,13 +142,19 @@ def drafter_identity(drafter: Any) -> dict[str, Any]:
     return ident
 
 
+# What mx.device_info() reports that is not the kind of device: free memory changes from one
+# process to the next (on CUDA it keyed every run apart, so every run measured its curves again,
+# 2026-11-30), and a card's uuid and bus id would make identical cards measure twice.
+VOLATILE_DEVICE_FIELDS = frozenset({"free_memory", "uuid", "pci_bus_id"})
+
+
 def machine_identity() -> dict[str, Any]:
     import mlx.core as mx
 
     from dspark_flow.models.backend import backend_name, blas_status
 
     try:
-        device = dict(mx.device_info())
+        device = {k: v for k, v in mx.device_info().items() if k not in VOLATILE_DEVICE_FIELDS}
     except Exception:
         device = {}
     blas = blas_status()
