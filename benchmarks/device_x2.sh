@@ -16,6 +16,11 @@
 # grow-first | grow-more | grow-last [| grow-bench]: two candidates from the shipped drafters on one fresh data
 # set (recipes/train/smollm2-135m-dspark-more.yaml on GPU 0, -dflash-grow.yaml on GPU 1),
 # exported into out/drafters and benched beside the shipped ones; no stage-1 drafter needed.
+# Issue the calls back to back and read their results after the last: the machine goes back
+# after ~30 s idle and takes the data and checkpoints with it (2026-11-30 20:16: a grow-first
+# whose logs were read before grow-more was lost that way, 560 s of the budget).
+# pair-sweeps: issue 6 on a two-GPU lease, DSpark on GPU 0 and DFlash on GPU 1 in one call;
+# repeat the call for more trials and join the runs with `draft_caps.py --merge`.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending` as
@@ -311,6 +316,16 @@ case "${1:-}" in
       shift
     done
     ;;
+  pair-sweeps)  # issue 6 on a two-GPU lease: DSpark on GPU 0 and DFlash on GPU 1 at the same time,
+    # each its own whole call (as solo-sweeps with one drafter each); a second call reuses the
+    # curves and verdicts left on the warm machine and fits more trials
+    v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 3)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
+    rm -rf /tmp/dc-dspark /tmp/dc-dflash
+    SWEEP_GPU=0 sweep dspark "${TRIALS:-10}" $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 &
+    SWEEP_GPU=1 sweep dflash "${TRIALS:-10}" $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 &
+    wait
+    ;;
   solo-lookup)
     sweep lookup 2 $(upto 20) --ks 1-10 --verifier '{kind: kernels, invariant: true}' --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128
     ;;
@@ -325,7 +340,7 @@ case "${1:-}" in
     done
     grep -E "^pending" $O/pending.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

@@ -17,6 +17,11 @@ that part alone from a results.json, optionally against another machine's curves
 
     python benchmarks/draft_caps.py --replay out/draft_caps/results.json --curves h200.json
 
+`--merge` prints the measured table over the trials of several runs on the same prompts (e.g.
+two device calls, each with its own warm-up pass), with the paired medians:
+
+    python benchmarks/draft_caps.py --merge call1/results.json call2/results.json
+
 Writes results.json, table.md and verify_cost.png to --out (default out/draft_caps/).
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -94,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--replay",
         metavar="RESULTS",
         help="only replay the strategies on the drafts recorded in this results.json",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS",
+        help="only print the measured table over the trials of these results.json files "
+        "(same prompts and strategies)",
     )
     p.add_argument(
         "--curves",
@@ -175,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replay:
         return replay_only(args)
+    if args.merge:
+        return merge_only(args.merge)
     from dspark_flow.api import load_target
     from dspark_flow.calibration.obtain import obtain_curves
     from dspark_flow.calibration.simulate import record_trace
@@ -314,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "modelled": modelled,
             "tokens": tokens,
             "times": times,
+            "taus": taus,
             "prompts": prompts,
             "auto_k": {c: dict(v) for c, v in auto_k.items()},
             "curves": curves.to_dict(),
@@ -440,6 +456,46 @@ def replay_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def merge_only(paths: list[str]) -> int:
+    """The measured table of several runs' trials together: per prompt, every run's trials."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    first = runs[0]
+
+    def drafter(run: dict[str, Any]) -> str:
+        found = re.search(r"--drafter (\S+)", run.get("header", ""))
+        return found.group(1) if found else "lookup"  # the script's default
+
+    for path, run in zip(paths[1:], runs[1:], strict=True):
+        if run["prompts"] != first["prompts"] or list(run["times"]) != list(first["times"]):
+            print(f"{path}: other prompts or strategies than {paths[0]}", file=sys.stderr)
+            return 2
+        if drafter(run) != drafter(first):
+            print(f"{path}: drafter {drafter(run)}, {paths[0]}: {drafter(first)}", file=sys.stderr)
+            return 2
+    names = list(first["times"])
+    prompts = [tuple(p) for p in first["prompts"]]
+    cats = [c for c in CATEGORIES if any(cat == c for cat, _ in prompts)] + ["all"]
+
+    def joined(field: str) -> dict[str, list[list[float]]] | None:
+        if not all(field in run for run in runs):
+            return None  # results.json files before 2026-11-30 21:30 UTC did not keep taus
+        return {
+            n: [sum((r[field][n][i] for r in runs), []) for i in range(len(prompts))] for n in names
+        }
+
+    times = joined("times")
+    assert times is not None
+    auto_k: dict[str, Counter[int]] = defaultdict(Counter)
+    for run in runs:
+        for cat, counts in run.get("auto_k", {}).items():
+            auto_k[cat].update({int(k): n for k, n in counts.items()})
+    speed, checks = summarize(names, cats, prompts, first["tokens"], times, paired=True)
+    trials = sum(len(r["times"]["auto"][0]) for r in runs)
+    print(f"{trials} trials from {len(runs)} runs: {', '.join(paths)}\n")
+    print(render(names, cats, speed, joined("taus"), checks, auto_k))
+    return 0
+
+
 def decode_seconds(r: Any) -> float:
     """Time after the first token (prefill is the same for every strategy)."""
     return (r.num_tokens - 1) / r.decode_tokens_per_sec if r.decode_tokens_per_sec > 0 else 0.0
@@ -519,16 +575,16 @@ def render(
     names: list[str],
     cats: list[str],
     speed: dict[str, dict[str, float]],
-    taus: dict[str, list[list[float]]],
+    taus: dict[str, list[list[float]]] | None,
     checks: dict[str, dict[str, Any]],
     auto_k: dict[str, Counter[int]],
 ) -> str:
     lines = ["| strategy | " + " | ".join(f"{c} tok/s" for c in cats) + " | mean τ |"]
     lines.append("|---" * (len(cats) + 2) + "|")
     for name in names:
-        tau = statistics.mean(statistics.median(t) for t in taus[name])
+        tau = f"{statistics.mean(statistics.median(t) for t in taus[name]):.2f}" if taus else "n/a"
         cells = [f"{speed[name][c]:.1f}" for c in cats]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {tau:.2f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {tau} |")
     lines.append("")
     lines.append("| check | " + " | ".join(cats) + " |")
     lines.append("|---" * (len(cats) + 1) + "|")
