@@ -308,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                 + "\n\n"
             )
         if traces:
-            table += replay_report(traces, curves, ks, block=block, sticky=args.sticky)
+            table += replay_report(
+                traces, curves, ks, block=block, sticky=args.sticky, drafter=args.drafter
+            )
         header = (
             f"command: {' '.join(sys.argv)}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
@@ -392,12 +394,14 @@ def replay_report(
     auto: dict[str, Any] | None = None,
     block: int | None = None,
     sticky: float | None = None,
+    drafter: str = "lookup",
 ) -> str:
     """The strategies replayed on recorded drafts (see the module docstring), rendered like
     the measured tables: each strategy visits the prompts in order, its state carried along,
     once untimed first as the measured run's warm-up trial does (so `auto` starts each prompt
     from the state the timed trials start from: what the last prompt left, not the prior)."""
     from dspark_flow.calibration.simulate import DraftTrace, replay
+    from dspark_flow.registry import load_kind
     from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
     from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
@@ -413,6 +417,9 @@ def replay_report(
     if sticky:
         config = AutoCapConfig(**{**(auto or {}), "switch_margin": sticky})
         caps["auto sticky"] = AutoCap(config, curves=curves)
+    sizes = load_kind("drafter", drafter).sizes_own_drafts  # type: ignore[attr-defined]
+    for cap in caps.values():  # as warm_up() learns it from the drafter in a live run
+        cap.drafter_sizes_drafts = sizes
     runs = [DraftTrace.from_dict(t) for t in traces]
     prompts = [(t.category, "") for t in runs]
     names = list(caps)
@@ -450,10 +457,22 @@ def replay_only(args: argparse.Namespace) -> int:
     block = min(data.get("block") or curves.block, curves.block)
     print(
         replay_report(
-            data["traces"], curves, ks, json.loads(args.auto), block=block, sticky=args.sticky
+            data["traces"],
+            curves,
+            ks,
+            json.loads(args.auto),
+            block=block,
+            sticky=args.sticky,
+            drafter=drafter_of(data),
         )
     )
     return 0
+
+
+def drafter_of(results: dict[str, Any]) -> str:
+    """The drafter a results.json was made with (its header records the command)."""
+    found = re.search(r"--drafter (\S+)", results.get("header", ""))
+    return found.group(1) if found else "lookup"  # the script's default
 
 
 def merge_only(paths: list[str]) -> int:
@@ -461,16 +480,15 @@ def merge_only(paths: list[str]) -> int:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     first = runs[0]
 
-    def drafter(run: dict[str, Any]) -> str:
-        found = re.search(r"--drafter (\S+)", run.get("header", ""))
-        return found.group(1) if found else "lookup"  # the script's default
-
     for path, run in zip(paths[1:], runs[1:], strict=True):
         if run["prompts"] != first["prompts"] or list(run["times"]) != list(first["times"]):
             print(f"{path}: other prompts or strategies than {paths[0]}", file=sys.stderr)
             return 2
-        if drafter(run) != drafter(first):
-            print(f"{path}: drafter {drafter(run)}, {paths[0]}: {drafter(first)}", file=sys.stderr)
+        if drafter_of(run) != drafter_of(first):
+            print(
+                f"{path}: drafter {drafter_of(run)}, {paths[0]}: {drafter_of(first)}",
+                file=sys.stderr,
+            )
             return 2
     names = list(first["times"])
     prompts = [tuple(p) for p in first["prompts"]]

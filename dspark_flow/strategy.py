@@ -92,6 +92,11 @@ class Draft:
 class Drafter(Strategy):
     slot = "drafter"
 
+    # True where propose() sizes each draft from evidence a draft cap cannot see (lookup: how
+    # far back the match reaches, so long drafts only where a copy run is likely): `auto` then
+    # decides only whether to draft and lets the drafter fill up to the limit.
+    sizes_own_drafts: ClassVar[bool] = False
+
     @property
     def max_draft(self) -> int | None:
         """Most tokens one round can propose (the block size); None when unbounded."""

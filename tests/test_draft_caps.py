@@ -335,6 +335,24 @@ def test_auto_switches_drafting_off_and_comes_back():
     assert ks[-10:] == [16] * 10
 
 
+def test_auto_lets_a_drafter_that_sizes_its_drafts_fill_the_limit_when_drafting_pays():
+    """Lookup drafts long only on long matches (strong evidence of a copy), so `auto` decides
+    whether to draft and not how much: the plan's k assumes one acceptance rate for all."""
+    curves = synthetic(lambda K: 1 + 0.15 * (K - 1))  # each row costs: the plan keeps k short
+    plain, sized = AutoCap(AutoCapConfig(), curves=curves), AutoCap(AutoCapConfig(), curves=curves)
+    sized.drafter_sizes_drafts = True
+    planned = plain.choose(12)
+    assert 0 < planned < 12 and sized.choose(12) == 12
+    off = AutoCap(AutoCapConfig(follow_drafter_sizes=False), curves=curves)
+    off.drafter_sizes_drafts = True
+    assert off.choose(12) == planned  # the setting turns it off
+    for _ in range(60):  # a drafter that is never right: off, but for short probes
+        k = sized.choose(12)
+        sized.observe(k, 0, 0.01)
+    tail = [sized.choose(12) for _ in range(24)]
+    assert tail.count(0) >= 20 and max(tail) <= 2
+
+
 def test_a_new_request_keeps_the_estimate_but_adapts_fast():
     curves = synthetic(lambda K: 1 + 0.05 * (K - 1))
     cap = AutoCap(AutoCapConfig(carry_weight=4.0), curves=curves)
@@ -583,6 +601,8 @@ def test_calibrated_and_auto_are_lossless(embedded, greedy_refs, shared_cache, k
         assert pipe.generate(prompt, max_new_tokens=MAX_NEW).token_ids == want
     chosen = pipe.draft_cap.chosen  # type: ignore[attr-defined]
     assert sum(chosen.values()) > 0 and max(chosen) <= 8
+    # lookup sizes its own drafts: the cap learnt so from it at warm_up
+    assert pipe.draft_cap.drafter_sizes_drafts  # type: ignore[attr-defined]
     assert pipe.draft_cap.depth > 20  # type: ignore[attr-defined]  # followed the generation
 
 

@@ -7,7 +7,7 @@ further back is stronger evidence of a copy run, so the draft length grows with 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -35,6 +35,7 @@ class LookupConfig(StrategyConfig):
 class LookupDrafter(Drafter):
     Config = LookupConfig
     config: LookupConfig
+    sizes_own_drafts: ClassVar[bool] = True  # the match length sizes each draft
 
     @property
     def max_draft(self) -> int:
