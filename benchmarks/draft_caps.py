@@ -119,6 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --replay: JSON of `auto` settings to try, e.g. '{\"probe_cost\": 0.05}'",
     )
     p.add_argument(
+        "--orders",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --replay: also replay `auto` over N random prompt orders (it carries what "
+        "one prompt taught it into the next) and report the worst and median per category",
+    )
+    p.add_argument(
         "--sticky",
         type=float,
         metavar="MARGIN",
@@ -387,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if "outputs equal to greedy: NO" in report else 0
 
 
+def plain_cap() -> Any:
+    """A draft cap of k = 0 every round: plain greedy decoding, for replays."""
+    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+
+    class Plain(FixedCap):
+        def choose(self, drafter_max: int | None) -> int:
+            return 0
+
+    return Plain(FixedCapConfig(k=1))
+
+
 def replay_report(
     traces: list[dict[str, Any]],
     curves: Any,
@@ -406,11 +425,7 @@ def replay_report(
     from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
 
-    class Plain(FixedCap):  # k = 0 every round: plain greedy decoding
-        def choose(self, drafter_max: int | None) -> int:
-            return 0
-
-    caps: dict[str, Any] = {"greedy": Plain(FixedCapConfig(k=1))}
+    caps: dict[str, Any] = {"greedy": plain_cap()}
     caps.update({f"fixed k={k}": FixedCap(FixedCapConfig(k=k)) for k in ks})
     caps["calibrated"] = CalibratedCap(CalibratedCapConfig(), curves=curves)
     caps["auto"] = AutoCap(AutoCapConfig(**(auto or {})), curves=curves)
@@ -466,7 +481,67 @@ def replay_only(args: argparse.Namespace) -> int:
             drafter=drafter_of(data),
         )
     )
+    if args.orders:
+        auto = json.loads(args.auto)
+        print(
+            "\n"
+            + order_report(data["traces"], curves, ks, auto, block, drafter_of(data), args.orders)
+        )
     return 0
+
+
+def order_report(
+    traces: list[dict[str, Any]],
+    curves: Any,
+    ks: list[int],
+    auto: dict[str, Any],
+    block: int,
+    drafter: str,
+    orders: int,
+) -> str:
+    """`auto` against the best fixed k and greedy per category, over `orders` seeded random
+    prompt orders (a warm-up pass in the same order first, as in the measured protocol). The
+    fixed caps keep no state, so only `auto` depends on the order."""
+    import random
+
+    from dspark_flow.calibration.simulate import DraftTrace, replay
+    from dspark_flow.registry import load_kind
+    from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
+    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+
+    runs = [DraftTrace.from_dict(t) for t in traces]
+    fixed = {
+        k: [replay(FixedCap(FixedCapConfig(k=k)), r, curves, block).seconds for r in runs]
+        for k in ks
+    }
+    greedy = [replay(plain_cap(), r, curves, block).seconds for r in runs]
+    sizes = load_kind("drafter", drafter).sizes_own_drafts  # type: ignore[attr-defined]
+    cats = [c for c in CATEGORIES if any(r.category == c for r in runs)]
+    vs_best: dict[str, list[float]] = {c: [] for c in cats}
+    vs_greedy: dict[str, list[float]] = {c: [] for c in cats}
+    for seed in range(orders):
+        order = list(range(len(runs)))
+        random.Random(seed).shuffle(order)
+        cap = AutoCap(AutoCapConfig(**auto), curves=curves)
+        cap.drafter_sizes_drafts = sizes
+        for i in order:  # the warm-up pass
+            replay(cap, runs[i], curves, block)
+        secs = {i: replay(cap, runs[i], curves, block).seconds for i in order}
+        for c in cats:
+            idx = [i for i, r in enumerate(runs) if r.category == c]
+            ours = sum(secs[i] for i in idx)
+            vs_best[c].append(min(sum(fixed[k][i] for i in idx) for k in ks) / ours)
+            vs_greedy[c].append(sum(greedy[i] for i in idx) / ours)
+    lines = [
+        f"`auto` over {orders} random prompt orders (replayed): worst / median",
+        "",
+        "| check | " + " | ".join(cats) + " |",
+        "|---" * (len(cats) + 1) + "|",
+    ]
+    for label, ratios in (("auto / best fixed", vs_best), ("auto / greedy", vs_greedy)):
+        cells = [f"{min(ratios[c]):.3f} / {statistics.median(ratios[c]):.3f}" for c in cats]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def drafter_of(results: dict[str, Any]) -> str:

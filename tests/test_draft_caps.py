@@ -552,6 +552,12 @@ def test_the_benchmark_replays_recorded_drafts_against_other_curves(tmp_path):
     sticky = run("--sticky", "0.05")
     assert sticky.returncode == 0, sticky.stderr
     assert "| auto sticky |" in sticky.stdout and "| auto sticky / best fixed |" in sticky.stdout
+    orders = run("--orders", "3")
+    assert orders.returncode == 0, orders.stderr
+    assert "`auto` over 3 random prompt orders" in orders.stdout
+    row = next(ln for ln in orders.stdout.splitlines() if ln.startswith("| auto / greedy |"))
+    worst, median = (float(x) for x in row.split("|")[-2].split("/"))  # the "edit" column
+    assert 1.0 < worst <= median  # free verification: every order drafts and wins
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps(_curves(flat)))
     failed = subprocess.run(
