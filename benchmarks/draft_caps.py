@@ -552,9 +552,16 @@ def drafter_of(results: dict[str, Any]) -> str:
 
 def merge_only(paths: list[str]) -> int:
     """The measured table of several runs' trials together: per prompt, every run's trials."""
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+    try:
+        runs = [json.loads(Path(p).read_text()) for p in paths]
+        for path, run in zip(paths, runs, strict=True):
+            if not run["times"]["auto"] or not all(run["times"]["auto"]):
+                print(f"{path}: no timed trials (made with --trials 0?)", file=sys.stderr)
+                return 2
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"cannot merge: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     first = runs[0]
-
     for path, run in zip(paths[1:], runs[1:], strict=True):
         if run["prompts"] != first["prompts"] or list(run["times"]) != list(first["times"]):
             print(f"{path}: other prompts or strategies than {paths[0]}", file=sys.stderr)

@@ -722,3 +722,5 @@ def test_the_benchmark_merges_the_trials_of_two_runs_and_refuses_unlike_runs(tmp
     assert bench.main(["--merge", a, run("c", 1.0, drafter="dflash")]) == 2
     assert bench.main(["--merge", a, run("d", 1.0, prompt="other")]) == 2
     assert "other prompts" in capsys.readouterr().err
+    assert bench.main(["--merge", a, str(tmp_path / "missing.json")]) == 2
+    assert "cannot merge: FileNotFoundError" in capsys.readouterr().err

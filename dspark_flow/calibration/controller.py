@@ -340,8 +340,9 @@ class CurveCap(DraftCap):
             self._planned_k = plan.k  # the probe of two below does not count as a choice
             if self.drafter_sizes_drafts and getattr(cfg, "follow_drafter_sizes", True):
                 # The plan's k assumes one acceptance rate for every draft; such a drafter
-                # drafts long only where its evidence is strong (replayed on the H200's lookup
-                # recording: edit prompts 0.87 -> 1.07 of the best fixed k in the worst order).
+                # drafts long only where its evidence is strong (lookup's edit prompts, replayed
+                # over 14 prompt orders: 0.84 -> 1.08 of the best fixed k in the worst one,
+                # docs/benchmarks.md §3).
                 self._single_rounds = 0
                 return limit
             if plan.k != 1 or limit < 2:

@@ -5,7 +5,8 @@ p (see `AcceptanceEstimator`), and k is re-picked from the measured curves. When
 expected to beat plain decoding (gain < `min_gain`), and the evidence is firm about it (even the
 `off_confidence` quantile of each acceptance rate would not pay), it drafts nothing,
 except a short probe every `probe_every` rounds or more, so that it notices when drafts start
-matching again.
+matching again. With a drafter that sizes its own drafts (`Drafter.sizes_own_drafts`: lookup)
+it decides only whether to draft, and lets the drafter fill up to the limit.
 """
 
 from __future__ import annotations
