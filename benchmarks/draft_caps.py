@@ -42,6 +42,14 @@ import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
 
 PROMPTS = Path(__file__).resolve().parent.parent / "dspark_flow" / "data" / "prompts.jsonl"
 CATEGORIES = ("chat", "code", "math", "edit")
+
+
+def categories(present: Any) -> list[str]:
+    """The CATEGORIES among `present` (category names), in the tables' order."""
+    found = set(present)
+    return [c for c in CATEGORIES if c in found]
+
+
 LOOKUP = {"kind": "lookup", "min_ngram": 2, "max_ngram": 4, "max_draft": 16}
 
 
@@ -298,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(len(prompts))
             if outputs[n][i] != outputs["greedy"][i]
         ]
-        cats = [c for c in CATEGORIES if any(cat == c for cat, _ in prompts)] + ["all"]
+        cats = categories(cat for cat, _ in prompts) + ["all"]
         speed: Any = {}
         checks: Any = {}
         model_speed: Any = {}
@@ -406,6 +414,17 @@ def plain_cap() -> Any:
     return Plain(FixedCapConfig(k=1))
 
 
+def replay_auto(settings: dict[str, Any], curves: Any, drafter: str) -> Any:
+    """An `auto` cap for replays, told what warm_up() learns from the drafter in a live run:
+    whether it sizes its own drafts."""
+    from dspark_flow.registry import load_kind
+    from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
+
+    cap = AutoCap(AutoCapConfig(**settings), curves=curves)
+    cap.drafter_sizes_drafts = load_kind("drafter", drafter).sizes_own_drafts  # type: ignore[attr-defined]
+    return cap
+
+
 def replay_report(
     traces: list[dict[str, Any]],
     curves: Any,
@@ -420,21 +439,17 @@ def replay_report(
     once untimed first as the measured run's warm-up trial does (so `auto` starts each prompt
     from the state the timed trials start from: what the last prompt left, not the prior)."""
     from dspark_flow.calibration.simulate import DraftTrace, replay
-    from dspark_flow.registry import load_kind
-    from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
     from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
 
     caps: dict[str, Any] = {"greedy": plain_cap()}
     caps.update({f"fixed k={k}": FixedCap(FixedCapConfig(k=k)) for k in ks})
     caps["calibrated"] = CalibratedCap(CalibratedCapConfig(), curves=curves)
-    caps["auto"] = AutoCap(AutoCapConfig(**(auto or {})), curves=curves)
+    caps["auto"] = replay_auto(auto or {}, curves, drafter)
     if sticky:
-        config = AutoCapConfig(**{**(auto or {}), "switch_margin": sticky})
-        caps["auto sticky"] = AutoCap(config, curves=curves)
-    sizes = load_kind("drafter", drafter).sizes_own_drafts  # type: ignore[attr-defined]
-    for cap in caps.values():  # as warm_up() learns it from the drafter in a live run
-        cap.drafter_sizes_drafts = sizes
+        caps["auto sticky"] = replay_auto(
+            {**(auto or {}), "switch_margin": sticky}, curves, drafter
+        )
     runs = [DraftTrace.from_dict(t) for t in traces]
     prompts = [(t.category, "") for t in runs]
     names = list(caps)
@@ -450,7 +465,7 @@ def replay_report(
             taus[name].append([one.tokens / max(one.rounds, 1)])
             if name == "auto":
                 auto_k[trace.category] += one.chosen
-    cats = [c for c in CATEGORIES if any(cat == c for cat, _ in prompts)] + ["all"]
+    cats = categories(cat for cat, _ in prompts) + ["all"]
     tokens = [t.num_tokens for t in runs]
     speed, checks = summarize(names, cats, prompts, tokens, seconds)
     return (
@@ -505,8 +520,6 @@ def order_report(
     import random
 
     from dspark_flow.calibration.simulate import DraftTrace, replay
-    from dspark_flow.registry import load_kind
-    from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
 
     runs = [DraftTrace.from_dict(t) for t in traces]
@@ -515,15 +528,13 @@ def order_report(
         for k in ks
     }
     greedy = [replay(plain_cap(), r, curves, block).seconds for r in runs]
-    sizes = load_kind("drafter", drafter).sizes_own_drafts  # type: ignore[attr-defined]
-    cats = [c for c in CATEGORIES if any(r.category == c for r in runs)]
+    cats = categories(r.category for r in runs)
     vs_best: dict[str, list[float]] = {c: [] for c in cats}
     vs_greedy: dict[str, list[float]] = {c: [] for c in cats}
     for seed in range(orders):
         order = list(range(len(runs)))
         random.Random(seed).shuffle(order)
-        cap = AutoCap(AutoCapConfig(**auto), curves=curves)
-        cap.drafter_sizes_drafts = sizes
+        cap = replay_auto(auto, curves, drafter)
         for i in order:  # the warm-up pass
             replay(cap, runs[i], curves, block)
         secs = {i: replay(cap, runs[i], curves, block).seconds for i in order}
@@ -574,7 +585,7 @@ def merge_only(paths: list[str]) -> int:
             return 2
     names = list(first["times"])
     prompts = [tuple(p) for p in first["prompts"]]
-    cats = [c for c in CATEGORIES if any(cat == c for cat, _ in prompts)] + ["all"]
+    cats = categories(cat for cat, _ in prompts) + ["all"]
 
     def joined(field: str) -> dict[str, list[list[float]]] | None:
         if not all(field in run for run in runs):
