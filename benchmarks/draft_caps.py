@@ -17,6 +17,10 @@ that part alone from a results.json, optionally against another machine's curves
 
     python benchmarks/draft_caps.py --replay out/draft_caps/results.json --curves h200.json
 
+The decode loop times every round it runs; the report sets those times, per row count, against
+what the curves charge, and replays the strategies once more charged the loop's own costs
+(`dspark_flow.calibration.in_loop`): where the two disagree, the curves mislead `auto`.
+
 `--merge` prints the measured table over the trials of several runs on the same prompts (e.g.
 two device calls, each with its own warm-up pass), with the paired medians:
 
@@ -39,6 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
+from dspark_flow.calibration.in_loop import (
+    Round,
+    comparison_table,
+    in_loop_curves,
+    record_rounds,
+    rounds_of,
+    summarize_rounds,
+)
 
 PROMPTS = Path(__file__).resolve().parent.parent / "dspark_flow" / "data" / "prompts.jsonl"
 CATEGORIES = ("chat", "code", "math", "edit")
@@ -296,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     # Noise-free view: each round's cost read off the measured curve for what it really drafted.
     modelled: dict[str, list[list[float]]] = {n: [[] for _ in prompts] for n in names}
     drafted = {n: record_proposals(pipes[n].drafter) for n in names}
+    # Every drafting round's own time, as the decode loop measured it (timed trials only).
+    round_logs = {n: record_rounds(pipes[n].draft_cap) for n in names}
+    loop_rounds: list[Round] = []
     auto_k: dict[str, Counter[int]] = defaultdict(Counter)
     traces: list[dict[str, Any]] = []
 
@@ -323,10 +338,16 @@ def main(argv: list[str] | None = None) -> int:
                 + render(names, cats, model_speed, taus, model_checks, auto_k)
                 + "\n\n"
             )
+        if trials_done and loop_rounds:
+            table += loop_report(loop_rounds, curves, greedy_step(times, tokens)) + "\n\n"
         if traces:
             table += replay_report(
                 traces, curves, ks, block=block, sticky=args.sticky, drafter=args.drafter
             )
+            if trials_done and loop_rounds:
+                table += "\n\n" + loop_replay(
+                    loop_rounds, traces, curves, ks, block=block, drafter=args.drafter
+                )
         header = (
             f"command: {' '.join(sys.argv)}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; total {time.time() - started:.0f}s; "
@@ -354,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             "traces": traces,
             "ks": ks,
             "block": block,
+            "in_loop": [[r.rows, r.depth, round(r.seconds, 7)] for r in loop_rounds],
         }
         (out / "results.json").write_text(json.dumps(result, indent=1))
         return header + "\n" + table
@@ -377,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                 cap = pipes[name].draft_cap
                 before = Counter(getattr(cap, "chosen", {}))
                 drafted[name].clear()
+                round_logs[name].clear()
                 r = pipes[name].generate(text, max_new_tokens=args.max_tokens)
                 prompt_len = len(pipes[name].encode_prompt(text))
+                loop_rounds.extend(rounds_of(round_logs[name], prompt_len))
                 modelled[name][i].append(model_seconds(curves, r, drafted[name], prompt_len))
                 if name == "greedy":
                     tokens[i] = r.num_tokens
@@ -433,11 +457,14 @@ def replay_report(
     block: int | None = None,
     sticky: float | None = None,
     drafter: str = "lookup",
+    charged: str = "the measured curves",
+    decided_by: Any = None,
 ) -> str:
     """The strategies replayed on recorded drafts (see the module docstring), rendered like
     the measured tables: each strategy visits the prompts in order, its state carried along,
     once untimed first as the measured run's warm-up trial does (so `auto` starts each prompt
-    from the state the timed trials start from: what the last prompt left, not the prior)."""
+    from the state the timed trials start from: what the last prompt left, not the prior).
+    With `decided_by` (other curves), "auto as run" decides by those and is charged `curves`."""
     from dspark_flow.calibration.simulate import DraftTrace, replay
     from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
@@ -450,6 +477,8 @@ def replay_report(
         caps["auto sticky"] = replay_auto(
             {**(auto or {}), "switch_margin": sticky}, curves, drafter
         )
+    if decided_by is not None:
+        caps["auto as run"] = replay_auto(auto or {}, decided_by, drafter)
     runs = [DraftTrace.from_dict(t) for t in traces]
     prompts = [(t.category, "") for t in runs]
     names = list(caps)
@@ -469,8 +498,52 @@ def replay_report(
     tokens = [t.num_tokens for t in runs]
     speed, checks = summarize(names, cats, prompts, tokens, seconds)
     return (
-        "Replayed (every strategy on each prompt's recorded drafts, charged the measured "
-        "curves; no noise, counterfactual):\n\n" + render(names, cats, speed, taus, checks, auto_k)
+        f"Replayed (every strategy on each prompt's recorded drafts, charged {charged}; no "
+        "noise, counterfactual):\n\n" + render(names, cats, speed, taus, checks, auto_k)
+    )
+
+
+def greedy_step(times: dict[str, list[list[float]]], tokens: list[int]) -> float | None:
+    """Plain greedy decoding's seconds per token (sum of per-prompt medians over tokens)."""
+    if "greedy" not in times or not all(times["greedy"]):
+        return None
+    secs = sum(statistics.median(t) for t in times["greedy"])
+    steps = sum(n - 1 for n in tokens)
+    return secs / steps if steps > 0 else None
+
+
+def loop_report(rounds: list[Round], curves: Any, plain: float | None) -> str:
+    """The decode loop's own round times per row count against the curves' figures."""
+    return (
+        "Round cost in the decode loop against the curves (every drafting round of the timed "
+        "trials, medians):\n\n" + comparison_table(summarize_rounds(rounds), curves, plain)
+    )
+
+
+def loop_replay(
+    rounds: list[Round],
+    traces: list[dict[str, Any]],
+    curves: Any,
+    ks: list[int],
+    auto: dict[str, Any] | None = None,
+    block: int | None = None,
+    drafter: str = "lookup",
+) -> str:
+    """The replay again, each row count charged what the loop measured (`in_loop_curves`)."""
+    try:
+        loop_curves = in_loop_curves(summarize_rounds(rounds), curves)
+    except ValueError as e:
+        return f"(no replay with the loop's costs: {e})"
+    return replay_report(
+        traces,
+        loop_curves,
+        ks,
+        auto,
+        block=block,
+        drafter=drafter,
+        charged="the loop's own round costs (the curves rescaled per row count); `auto` "
+        "decides by those, `auto as run` by the curves",
+        decided_by=curves,
     )
 
 
@@ -496,6 +569,15 @@ def replay_only(args: argparse.Namespace) -> int:
             drafter=drafter_of(data),
         )
     )
+    if data.get("in_loop"):  # results.json files since 2026-12-01 keep the loop's round times
+        rounds = loaded_rounds(data)
+        plain = greedy_step(data["times"], data["tokens"])
+        print("\n" + loop_report(rounds, curves, plain) + "\n")
+        print(
+            loop_replay(
+                rounds, data["traces"], curves, ks, json.loads(args.auto), block, drafter_of(data)
+            )
+        )
     if args.orders:
         auto = json.loads(args.auto)
         print(
@@ -604,7 +686,18 @@ def merge_only(paths: list[str]) -> int:
     trials = sum(len(r["times"]["auto"][0]) for r in runs)
     print(f"{trials} trials from {len(runs)} runs: {', '.join(paths)}\n")
     print(render(names, cats, speed, joined("taus"), checks, auto_k))
+    if all(run.get("in_loop") for run in runs):
+        from dspark_flow.calibration.curves import Curves
+
+        rounds = [r for run in runs for r in loaded_rounds(run)]
+        curves = Curves.from_dict(first["curves"])
+        print("\n" + loop_report(rounds, curves, greedy_step(times, first["tokens"])))
     return 0
+
+
+def loaded_rounds(results: dict[str, Any]) -> list[Round]:
+    """The decode loop's rounds a results.json keeps ([rows, depth, seconds] each)."""
+    return [Round(rows=int(n), depth=int(d), seconds=float(t)) for n, d, t in results["in_loop"]]
 
 
 def decode_seconds(r: Any) -> float:

@@ -724,3 +724,74 @@ def test_the_benchmark_merges_the_trials_of_two_runs_and_refuses_unlike_runs(tmp
     assert "other prompts" in capsys.readouterr().err
     assert bench.main(["--merge", a, str(tmp_path / "missing.json")]) == 2
     assert "cannot merge: FileNotFoundError" in capsys.readouterr().err
+
+
+# -- the decode loop's own round costs ----------------------------------------------------------
+
+
+def test_the_loop_round_log_forwards_observe_and_dates_each_round_by_its_depth():
+    from dspark_flow.calibration.in_loop import record_rounds, rounds_of
+
+    cap = AutoCap(AutoCapConfig(), curves=synthetic(lambda k: 1.0 + 0.1 * k, block=4))
+    cap.begin(list(range(10)))
+    log = record_rounds(cap)
+    for proposed, accepted in [(4, 2), (0, 0), (3, 3)]:
+        cap.observe(proposed, accepted, 0.5)
+    assert log == [(4, 2, 0.5), (0, 0, 0.5), (3, 3, 0.5)]
+    assert cap.depth == 10 + 3 + 1 + 4  # the wrapped observe still ran
+    rounds = rounds_of(log, prompt_len=10)
+    # The prompt plus the prefill's token, then each round's accepted drafts + 1.
+    assert [(r.rows, r.depth) for r in rounds] == [(5, 11), (1, 14), (4, 15)]
+
+
+def test_loop_costs_rescale_the_curves_per_row_count_and_say_so_when_too_few():
+    from dspark_flow.calibration.in_loop import (
+        Round,
+        comparison_table,
+        in_loop_curves,
+        summarize_rounds,
+    )
+
+    curves = synthetic(lambda k: 1.0 + 0.1 * (k - 1), block=6)  # 1.0 s for one row, +0.1 a row
+    # The loop: one row takes 1.5x what the curves say, five rows 1.2x.
+    rounds = [Round(1, 64, 1.5)] * 5 + [Round(5, 64, 1.68)] * 3 + [Round(5, 64, 1.68 * 1.1)] * 2
+    costs = summarize_rounds(rounds)
+    assert [(c.rows, c.rounds) for c in costs] == [(1, 5), (5, 5)]
+    assert costs[1].seconds == pytest.approx(1.68)
+    table = comparison_table(costs, curves, plain=1.2)
+    assert "| 1 (greedy) | per token | 1200.00 | 1000.00 | 1.20 |" in table
+    assert "| 1 | 5 | 1500.00 | 1000.00 | 1.50 |" in table
+    assert "| 5 | 5 | 1680.00 | 1400.00 | 1.20 |" in table
+    loop = in_loop_curves(costs, curves)
+    assert loop.verify_cost(1, 64) == pytest.approx(1.5)
+    assert loop.verify_cost(3, 64) == pytest.approx(1.35 * 1.2)  # the ratio interpolated
+    assert loop.verify_cost(5, 64) == pytest.approx(1.68)
+    assert loop.verify_cost(7, 64) == pytest.approx(1.2 * 1.6)  # beyond: the nearest ratio
+    assert loop.meta["rescaled_to_loop"] == {"1": 1.5, "5": 1.2}
+    with pytest.raises(ValueError, match="no row count has 6 rounds"):
+        in_loop_curves(costs, curves, min_rounds=6)
+
+
+def test_the_benchmark_reports_the_loop_costs_it_recorded(tmp_path, capsys):
+    bench = _draft_caps_script()
+    curves = synthetic(lambda k: 0.01 * k, block=2)
+    data = {
+        "header": "command: benchmarks/draft_caps.py --drafter lookup --trials 1\n",
+        "prompts": [["chat", "a"]],
+        "tokens": [11],
+        "times": {
+            n: [[0.2 if n == "greedy" else 0.1]]
+            for n in ("greedy", "fixed k=1", "calibrated", "auto")
+        },
+        "taus": {n: [[1.0]] for n in ("greedy", "fixed k=1", "calibrated", "auto")},
+        "auto_k": {},
+        "curves": curves.to_dict(),
+        "in_loop": [[2, 40, 0.03]] * 6,
+    }
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(data))
+    b.write_text(json.dumps(data))
+    assert bench.main(["--merge", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 (greedy) | per token | 20.00 | 10.00 | 2.00 |" in out
+    assert "| 2 | 12 | 30.00 | 20.00 | 1.50 |" in out

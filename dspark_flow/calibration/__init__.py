@@ -4,6 +4,7 @@
 * `store`: the on-disk JSON cache under `cache_root()/calibration/` (or
   $DSPARK_FLOW_CALIBRATION_DIR), keyed by model, weight format, drafter, MLX, backend, device;
 * `controller`: the expected-tokens-per-second choice and the acceptance estimator;
+* `in_loop`: the decode loop's own round times against the curves (benchmarks' check);
 * `calibrate()`: the Python entry point, returning an `auto` draft cap ready to use.
 """
 
