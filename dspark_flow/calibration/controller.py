@@ -75,7 +75,7 @@ def plan_table(
     and time over L. Without it the drafter always fills k.
     """
     max_k = max(0, max_k)
-    verify = [curves.verify_cost(n + 1, depth) for n in range(max_k + 1)]  # n drafted tokens
+    verify = curves.verify_costs(max_k + 1, depth)  # verify[n]: n drafted tokens
     tokens_at = [expected_tokens(p, n, p_first) for n in range(max_k + 1)]
     plain = verify[0]
     out: list[Plan] = []

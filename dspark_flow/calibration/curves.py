@@ -58,16 +58,24 @@ class Curves:
         """Cost of verifying `rows` rows at `depth`: linear between measured depths; beyond the
         deepest, extrapolated along the last segment (attention grows linearly with depth), never
         below the deepest measurement."""
-        col = min(max(rows, 1), len(self.verify[0])) - 1
-        ds, ys = self.depths, [r[col] for r in self._smooth]
+        return self.verify_costs(rows, depth, first=rows)[0]
+
+    def verify_costs(self, max_rows: int, depth: float, first: int = 1) -> list[float]:
+        """`verify_cost(rows, depth)` for rows = first..max_rows, the depth's interpolation
+        found once (the controller asks for a whole row every round)."""
+        width = len(self.verify[0])
+        cols = [min(max(n, 1), width) - 1 for n in range(first, max_rows + 1)]
+        ds, rows = self.depths, self._smooth
         if len(ds) == 1 or depth <= ds[0]:
-            return ys[0]
+            return [rows[0][c] for c in cols]
         for i in range(1, len(ds)):
             if depth <= ds[i]:
                 w = (depth - ds[i - 1]) / (ds[i] - ds[i - 1])
-                return ys[i - 1] + w * (ys[i] - ys[i - 1])
-        slope = (ys[-1] - ys[-2]) / (ds[-1] - ds[-2])
-        return max(ys[-1], ys[-1] + slope * (depth - ds[-1]))
+                lo, hi = rows[i - 1], rows[i]
+                return [lo[c] + w * (hi[c] - lo[c]) for c in cols]
+        w = (depth - ds[-1]) / (ds[-1] - ds[-2])  # along the last segment, never below its end
+        lo, hi = rows[-2], rows[-1]
+        return [max(hi[c], hi[c] + w * (hi[c] - lo[c])) for c in cols]
 
     def drafter_cost(self, k: int) -> float:
         return 0.0 if k <= 0 else self.drafter[min(k, len(self.drafter) - 1)]
