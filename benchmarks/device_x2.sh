@@ -18,7 +18,12 @@
 # exported into out/drafters and benched beside the shipped ones; no stage-1 drafter needed.
 # Issue the calls back to back and read their results after the last: the machine goes back
 # after ~30 s idle and takes the data and checkpoints with it (2026-11-30 20:16: a grow-first
-# whose logs were read before grow-more was lost that way, 560 s of the budget).
+# whose logs were read before grow-more was lost that way, 560 s of the budget; 23:12: lost
+# again with grow-more issued at once). So grow-first now also sends the data set home
+# ($OUT/data.tar.xz.part_* and data.sha256, ~20 MB): keep them in .stage/data/ (git-ignored),
+# and on a later lease, after part_00..02, stage them with the drafters moved out of the tree
+# (carry [".stage/data"]: `mkdir -p /root/stage/data && cp .stage/data/* /root/stage/data/`),
+# then with part_03 run grow-one: both candidates from start to end in one call.
 # pair-sweeps: issue 6 on a two-GPU lease, DSpark on GPU 0 and DFlash on GPU 1 in one call;
 # repeat the call for more trials and join the runs with `draft_caps.py --merge`.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
@@ -170,6 +175,24 @@ sweeps() {  # issue 6 on GPU 1 while GPU 0 trains (GPU1=sweeps): the CLI's stack
   esac
 }
 
+pack_data() {  # the finished data set of DATA_RECIPE, xz-packed in 15 MB parts under $OUT
+  local dir
+  dir=$(sed -n 's/.* cache=\([^ ]*\) .*/\1/p' $O/data.log | tail -1)
+  [ -n "$dir" ] && [ -f "$dir/manifest.json" ] || { echo "pack_data: no finished data set"; return 1; }
+  tar -C "$(dirname "$dir")" -cf - "$(basename "$dir")" | xz -T0 -1 > /tmp/data.tar.xz || return 1
+  split -b 15M -d /tmp/data.tar.xz "$OUT/data.tar.xz.part_"
+  (cd /tmp && sha256sum data.tar.xz) > "$OUT/data.sha256"
+  echo "data set packed: $(du -h /tmp/data.tar.xz | cut -f1) from $dir"
+}
+
+unpack_data() {  # the data set staged in /root/stage/data (pack_data's parts), into the data cache
+  ls /root/stage/data/data.tar.xz.part_* > /dev/null 2>&1 \
+    || { echo "no data set staged in /root/stage/data (see the header)"; return 1; }
+  cat /root/stage/data/data.tar.xz.part_* > /tmp/data.tar.xz
+  (cd /tmp && sha256sum -c /root/stage/data/data.sha256) || return 1
+  mkdir -p "$DSPARK_FLOW_HOME/train/data" && tar -C "$DSPARK_FLOW_HOME/train/data" -xf /tmp/data.tar.xz
+}
+
 candidate_dir() {  # candidate_dir KIND: where the candidate recipe $R-KIND.yaml exports (out/drafters/...)
   echo "$PWD/out/drafters/$(sed -n 's|^output: \.\./\.\./out/drafters/||p' "$R-$1.yaml")"
 }
@@ -251,11 +274,25 @@ case "${1:-}" in
     ;;
   grow-first|grow-more)  # candidates (two-GPU lease): their shared data on both GPUs, then
     # DSpark trained further (smollm2-135m-dspark-more.yaml) on GPU 0 and DFlash grown to 5
-    # layers (smollm2-135m-dflash-grow.yaml) on GPU 1; both start from the shipped drafters
+    # layers (smollm2-135m-dflash-grow.yaml) on GPU 1; both start from the shipped drafters.
+    # grow-first also sends the finished data set home (pack_data), so that a machine lost
+    # between calls costs the training done so far, never the data again: see grow-one.
     export DATA_RECIPE="$R-dspark-more.yaml"
-    data
+    data && [ "$1" = grow-first ] && pack_data
     train dspark-more 0 & train dflash-grow 1 &
     wait
+    ;;
+  grow-one)  # both candidates trained start to end in this one call, from a data set that a
+    # grow-first sent home and earlier calls staged back into /root/stage/data (see the header);
+    # STEPS (default 3000) is what fits after unstaging, the data check and the start-up
+    export DATA_RECIPE="$R-dspark-more.yaml"
+    unpack_data && data || exit 1
+    for kind in dspark-more dflash-grow; do
+      gpu=$([ $kind = dspark-more ] && echo 0 || echo 1)
+      train $kind $gpu $(upto 45) "--stage train --stage export --set train.steps=${STEPS:-3000}" &
+    done
+    wait
+    pack out/drafters $(basename "$(candidate_dir dspark-more)") $(basename "$(candidate_dir dflash-grow)")
     ;;
   grow-last)  # finish and export into out/drafters, pack; bench beside the shipped ones if time is left
     export DATA_RECIPE="$R-dspark-more.yaml"
@@ -340,7 +377,7 @@ case "${1:-}" in
     done
     grep -E "^pending" $O/pending.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
