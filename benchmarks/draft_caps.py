@@ -153,6 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run `auto` with this switch_margin (keep the previous k unless another is "
         "this fraction faster), as the strategy 'auto sticky'",
     )
+    p.add_argument(
+        "--auto-variant",
+        metavar="JSON",
+        help="also run `auto` with these settings beside the plain one, as the strategy 'auto "
+        "variant', e.g. '{\"learn_round_cost\": false}' (an A/B in one run; replays too)",
+    )
     args = p.parse_args(argv)
     if args.draft_vocab and args.drafter == "lookup":
         p.error("--draft-vocab is for the trained drafters (dspark, dflash), not lookup")
@@ -275,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             "drafter": section,
             "draft_cap": {"kind": "auto", "switch_margin": args.sticky},
         }
+    if args.auto_variant:
+        recipes["auto variant"] = {
+            "drafter": section,
+            "draft_cap": {"kind": "auto", **json.loads(args.auto_variant)},
+        }
     if args.verifier:
         import yaml
 
@@ -342,7 +353,13 @@ def main(argv: list[str] | None = None) -> int:
             table += loop_report(loop_rounds, curves, greedy_step(times, tokens)) + "\n\n"
         if traces:
             table += replay_report(
-                traces, curves, ks, block=block, sticky=args.sticky, drafter=args.drafter
+                traces,
+                curves,
+                ks,
+                block=block,
+                sticky=args.sticky,
+                drafter=args.drafter,
+                variant=json.loads(args.auto_variant or "null"),
             )
             if trials_done and loop_rounds:
                 table += "\n\n" + loop_replay(
@@ -459,6 +476,7 @@ def replay_report(
     drafter: str = "lookup",
     charged: str = "the measured curves",
     decided_by: Any = None,
+    variant: dict[str, Any] | None = None,
 ) -> str:
     """The strategies replayed on recorded drafts (see the module docstring), rendered like
     the measured tables: each strategy visits the prompts in order, its state carried along,
@@ -477,6 +495,8 @@ def replay_report(
         caps["auto sticky"] = replay_auto(
             {**(auto or {}), "switch_margin": sticky}, curves, drafter
         )
+    if variant is not None:
+        caps["auto variant"] = replay_auto({**(auto or {}), **variant}, curves, drafter)
     if decided_by is not None:
         caps["auto as run"] = replay_auto(auto or {}, decided_by, drafter)
     runs = [DraftTrace.from_dict(t) for t in traces]
@@ -567,6 +587,7 @@ def replay_only(args: argparse.Namespace) -> int:
             block=block,
             sticky=args.sticky,
             drafter=drafter_of(data),
+            variant=json.loads(args.auto_variant or "null"),
         )
     )
     if data.get("in_loop"):  # results.json files since 2026-12-01 keep the loop's round times
@@ -761,6 +782,10 @@ def summarize(
     if "auto sticky" in speed:
         for c in cats:
             checks[c]["sticky_vs_best_fixed"] = speed["auto sticky"][c] / speed[best[c]][c]
+    if "auto variant" in speed:
+        for c in cats:
+            checks[c]["variant_vs_best_fixed"] = speed["auto variant"][c] / speed[best[c]][c]
+            checks[c]["variant_vs_auto"] = speed["auto variant"][c] / speed["auto"][c]
     if paired and max(len(runs) for runs in seconds["auto"]) > 1:
         for c in cats:
             idx = [i for i, (cat, _) in enumerate(prompts) if c in (cat, "all")]
@@ -800,6 +825,8 @@ def render(
         ("paired_vs_greedy", "auto / greedy, median of paired runs"),
         ("calibrated_vs_best_fixed", "calibrated / best fixed"),
         ("sticky_vs_best_fixed", "auto sticky / best fixed"),
+        ("variant_vs_best_fixed", "auto variant / best fixed"),
+        ("variant_vs_auto", "auto variant / auto"),
     ):
         if key not in checks[cats[0]]:
             continue

@@ -322,7 +322,7 @@ def test_auto_switches_drafting_off_and_comes_back():
     ks = []
     for _ in range(60):  # a drafter that is never right
         k = cap.choose(16)
-        cap.observe(k, 0, 0.01)
+        cap.observe(k, 0, 0.0)
         ks.append(k)
     tail = ks[-24:]
     assert tail.count(0) >= 20 and max(tail) <= 2  # off, but for short probes
@@ -330,7 +330,7 @@ def test_auto_switches_drafting_off_and_comes_back():
     ks = []
     for _ in range(40):  # now every draft is accepted
         k = cap.choose(16)
-        cap.observe(k, k, 0.01)
+        cap.observe(k, k, 0.0)
         ks.append(k)
     assert ks[-10:] == [16] * 10
 
@@ -348,7 +348,7 @@ def test_auto_lets_a_drafter_that_sizes_its_drafts_fill_the_limit_when_drafting_
     assert off.choose(12) == planned  # the setting turns it off
     for _ in range(60):  # a drafter that is never right: off, but for short probes
         k = sized.choose(12)
-        sized.observe(k, 0, 0.01)
+        sized.observe(k, 0, 0.0)
     tail = [sized.choose(12) for _ in range(24)]
     assert tail.count(0) >= 20 and max(tail) <= 2
 
@@ -357,12 +357,12 @@ def test_a_new_request_keeps_the_estimate_but_adapts_fast():
     curves = synthetic(lambda K: 1 + 0.05 * (K - 1))
     cap = AutoCap(AutoCapConfig(carry_weight=4.0), curves=curves)
     for _ in range(50):  # a request where drafts always fail
-        cap.observe(4, 0, 0.01)
+        cap.observe(4, 0, 0.0)
     cap.begin([1] * 10)
     first = cap.estimator.first
     assert first.successes + first.failures == pytest.approx(4.0)
     assert cap.choose(16) == 0  # still off: the carried estimate says the drafter misses
-    cap.observe(16, 16, 0.01)  # one long copy accepted in the new request...
+    cap.observe(16, 16, 0.0)  # one long copy accepted in the new request...
     assert cap.choose(16) > 0  # ...is enough to draft again
 
 
@@ -795,3 +795,43 @@ def test_the_benchmark_reports_the_loop_costs_it_recorded(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 1 (greedy) | per token | 20.00 | 10.00 | 2.00 |" in out
     assert "| 2 | 12 | 30.00 | 20.00 | 1.50 |" in out
+
+
+def test_the_round_cost_offset_waits_for_evidence_and_clips_outliers():
+    from dspark_flow.calibration.estimators import RoundCostOffset
+
+    est = RoundCostOffset(window=1000.0, clip=0.75, min_rounds=8)
+    for _ in range(7):
+        est.update(1.5, 1.0)
+    assert est.offset == 0.0  # seven rounds are not evidence yet
+    est.update(1.5, 1.0)
+    assert est.offset == pytest.approx(0.5)
+    est.update(0.0, 1.0)  # an untimed round (replays of old callers, tests) is no evidence
+    est.update(float("nan"), 1.0)
+    assert est.rounds == 8
+    est.update(1000.0, 1.0)  # one round that compiled a shape counts as +0.75 at most
+    assert est.offset == pytest.approx((8 * 0.5 + 0.75) / 9, rel=0.01)
+
+
+def test_auto_adds_what_rounds_take_beyond_the_curves_and_picks_k_by_it():
+    """A host slower than at calibration adds the same seconds to every round, which makes a
+    longer draft relatively cheaper: `auto` learns the gap and plans with it."""
+    curves = synthetic(lambda K: 1.0 + 0.3 * (K - 1), block=8)  # every row costs (4-bit, CPU)
+    learns = AutoCap(AutoCapConfig(), curves=curves)
+    fixed = AutoCap(AutoCapConfig(learn_round_cost=False), curves=curves)
+    for cap in (learns, fixed):
+        cap.begin([0] * 64)
+        for _ in range(40):  # drafts accepted about 70% a position; rounds 2 s slower
+            k = cap.choose(8)
+            accepted = 0
+            while accepted < k and random.Random(len(cap.chosen) + accepted).random() < 0.7:
+                accepted += 1
+            charge = curves.verify_cost(k + 1, cap.depth)
+            cap.observe(k, accepted, charge + 2.0)
+    assert fixed.cost_offset() == 0.0
+    assert learns.cost_offset() == pytest.approx(2.0, abs=0.021)  # in steps of 2% of one row
+    p_first, p = learns.acceptance()
+    with_gap = best_plan(curves, p, learns.depth, 8, p_first, offset=learns.cost_offset())
+    without = best_plan(curves, p, learns.depth, 8, p_first)
+    assert with_gap.k > without.k  # the gap makes longer drafts pay
+    assert learns.plan(8).k == with_gap.k

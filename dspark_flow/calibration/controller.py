@@ -24,7 +24,11 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves
-from dspark_flow.calibration.estimators import AcceptanceEstimator, LengthEstimator
+from dspark_flow.calibration.estimators import (
+    AcceptanceEstimator,
+    LengthEstimator,
+    RoundCostOffset,
+)
 from dspark_flow.log import get_logger
 from dspark_flow.strategy import BuildContext, DraftCap, StrategyConfig
 
@@ -35,6 +39,10 @@ log = get_logger()
 TOLERANCE = 0.005
 FALLBACK_K = 4  # used only if choose() runs before warm_up() supplied curves
 DEPTH_STEP = 16  # context depths this close share a cached plan
+# A learnt round-cost offset moves in steps of this fraction of one row's verify (so plans stay
+# cached), and never brings a charge below COST_FLOOR of what the curves say.
+OFFSET_STEP = 0.02
+COST_FLOOR = 0.25
 
 
 def expected_tokens(p: float, k: int, p_first: float | None = None) -> float:
@@ -67,15 +75,19 @@ def plan_table(
     max_k: int,
     p_first: float | None = None,
     survival: list[float] | None = None,
+    offset: float = 0.0,
 ) -> list[Plan]:
     """One Plan per k = 0..max_k (k = 0 is plain decoding).
 
     `survival[n]` = P(the drafter proposes >= n tokens when allowed more): with it, a cap of k
     drafts min(L, k) tokens for the drafter's natural length L, and the plan averages tokens
-    and time over L. Without it the drafter always fills k.
+    and time over L. Without it the drafter always fills k. `offset`: seconds added to every
+    round (what `auto` learnt the rounds take beyond the curves; `RoundCostOffset`).
     """
     max_k = max(0, max_k)
     verify = curves.verify_costs(max_k + 1, depth)  # verify[n]: n drafted tokens
+    if offset:
+        verify = [max(v + offset, COST_FLOOR * v) for v in verify]
     tokens_at = [expected_tokens(p, n, p_first) for n in range(max_k + 1)]
     plain = verify[0]
     out: list[Plan] = []
@@ -103,11 +115,12 @@ def best_plan(
     keep: int | None = None,
     margin: float = 0.0,
     keep_floor: float = 0.0,
+    offset: float = 0.0,
 ) -> Plan:
     """The k >= 1 (when max_k >= 1) with the highest expected tokens per second; or `keep`
     (the previous round's k), where that is expected within `margin` of the best and its gain
     is at least `keep_floor` (so keeping a k never turns drafting off where the best pays)."""
-    table = plan_table(curves, p, depth, max_k, p_first, survival)
+    table = plan_table(curves, p, depth, max_k, p_first, survival, offset)
     best = table[1] if len(table) > 1 else table[0]
     for plan in table[2:]:
         if plan.gain > best.gain * (1.0 + TOLERANCE):
@@ -172,6 +185,11 @@ class AdaptiveCapConfig(CurveCapConfig):
         "the curves show; 0: always the best)",
     )
     probe_k: int = Field(2, ge=1, description="draft length of a probe round")
+    learn_round_cost: bool = Field(
+        True,
+        description="add to every round's cost what the rounds measured in this process take "
+        "beyond the curves (the host's speed moves between calibration and use)",
+    )
     follow_drafter_sizes: bool = Field(
         True,
         description="with a drafter that sizes its own drafts (lookup), decide only whether to "
@@ -206,6 +224,7 @@ class CurveCap(DraftCap):
         # Set from the drafter at warm_up (or by a replay): whether it sizes its own drafts.
         self.drafter_sizes_drafts = False
         self._planned_k = 0  # the last k chosen from the plan (not a probe): what a margin keeps
+        self.round_cost = RoundCostOffset(window=2 * getattr(self.config, "window", 32.0))
         cfg = self.config
         self.estimator = AcceptanceEstimator(
             prior=cfg.acceptance,
@@ -306,19 +325,31 @@ class CurveCap(DraftCap):
         margin = getattr(self.config, "switch_margin", 0.0)
         keep = self._planned_k if margin > 0 and self._planned_k > 0 else None
         floor = getattr(self.config, "min_gain", 1.0)
+        offset = self.cost_offset()
         if (lengths := self.lengths) is not None:
+            survival = lengths.survival()
             return best_plan(
-                self.curves, p, self.depth, limit, p_first, lengths.survival(), keep, margin, floor
+                self.curves, p, self.depth, limit, p_first, survival, keep, margin, floor, offset
             )
         # Rounds repeat the same situation often; the table costs ~k interpolations.
-        key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit, keep)
+        key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit, keep, offset)
         if (found := self._plans.get(key)) is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
             found = self._plans[key] = best_plan(
-                self.curves, p, self.depth, limit, p_first, None, keep, margin, floor
+                self.curves, p, self.depth, limit, p_first, None, keep, margin, floor, offset
             )
         return found
+
+    def cost_offset(self) -> float:
+        """Seconds every round takes beyond the curves, as learnt (`auto` with
+        `learn_round_cost`; else 0), in steps of OFFSET_STEP of one row's verify."""
+        if not (self.adaptive and getattr(self.config, "learn_round_cost", False)):
+            return 0.0
+        if self.curves is None or (offset := self.round_cost.offset) == 0.0:
+            return 0.0
+        step = OFFSET_STEP * self.curves.verify_cost(1, self.depth)
+        return round(offset / step) * step if step > 0 else 0.0
 
     def choose(self, drafter_max: int | None) -> int:
         k = self._last_k = self._choose(drafter_max)
@@ -388,7 +419,7 @@ class CurveCap(DraftCap):
         """Rounds between probes while off; None when no k could pay even if every draft were
         accepted (then probing learns nothing useful)."""
         assert self.curves is not None
-        perfect = best_plan(self.curves, 1.0, self.depth, limit)
+        perfect = best_plan(self.curves, 1.0, self.depth, limit, offset=self.cost_offset())
         if perfect.gain <= getattr(self.config, "min_gain", 1.0) * (1.0 + TOLERANCE):
             return None  # even drafts that are always accepted would at best break even
         return self._rounds_between(0, min(getattr(self.config, "probe_k", 2), limit))
@@ -411,6 +442,7 @@ class CurveCap(DraftCap):
             probe,
             p_first,
             survival=lengths.survival() if lengths else None,
+            offset=self.cost_offset(),
         )
         base, trial = table[k], table[probe]
         # In the time of a probe round the planned k would commit trial.seconds * base.rate
@@ -421,6 +453,11 @@ class CurveCap(DraftCap):
         )
 
     def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+        if self.adaptive and self.curves is not None:  # what the curves charge this round
+            charged = self.curves.verify_cost(proposed + 1, self.depth)
+            if self._last_k > 0:
+                charged += self.curves.drafter_cost(proposed)
+            self.round_cost.update(seconds, charged)
         self.depth += accepted + 1
         if self.adaptive:
             self.estimator.update(proposed, accepted)

@@ -212,3 +212,39 @@ class LengthEstimator:
             out.append(out[-1] * (1.0 - min(1.0, hazard)))
             at_risk -= self.events[n]
         return out
+
+
+class RoundCostOffset:
+    """How many seconds this process's rounds take beyond what the curves charge them: a
+    decaying mean of (measured - charged) over the last ~`window` rounds.
+
+    Additive, because what moves between calibration and use is mostly the host's per-round
+    work (building the graph, launching kernels, the sync), the same for every row count: on
+    the H200 the host's speed moved by 1.5x between calls of one lease, and the cached curves
+    charged one row 1.5-2.2x the loop's greedy step (docs/benchmarks.md §3). Each residual is
+    clipped to `clip` times the charge, so one round that compiled a new shape or met a
+    pause moves the estimate by at most clip / window of a charge. Nothing is reported until `min_rounds` rounds are in; a
+    round timed at 0 s (a replay that charges nothing, a caller without a clock) is no evidence.
+    """
+
+    def __init__(self, window: float = 64.0, clip: float = 2.0, min_rounds: float = 8.0):
+        self.decay = 1.0 - 1.0 / max(window, 1.0)
+        self.clip = clip
+        self.min_rounds = min_rounds
+        self.total = 0.0  # decayed sum of residuals
+        self.weight = 0.0  # decayed count of rounds
+        self.rounds = 0
+
+    def update(self, measured: float, charged: float) -> None:
+        if not (charged > 0.0 and math.isfinite(measured) and measured > 0.0):
+            return
+        bound = self.clip * charged
+        residual = max(-bound, min(bound, measured - charged))
+        self.total = self.decay * self.total + residual
+        self.weight = self.decay * self.weight + 1.0
+        self.rounds += 1
+
+    @property
+    def offset(self) -> float:
+        """Seconds to add to every round's charge (0 until enough rounds are in)."""
+        return self.total / self.weight if self.rounds >= self.min_rounds else 0.0

@@ -123,13 +123,14 @@ def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Repl
         depth = trace.prompt_len + j
         proposed = min(max(k, 0), trace.proposed[j])
         accepted = min(proposed, trace.accepted[j])
-        out.seconds += curves.verify_cost(proposed + 1, depth)
+        seconds = curves.verify_cost(proposed + 1, depth)
         if k > 0:
-            out.seconds += curves.drafter_cost(proposed)
+            seconds += curves.drafter_cost(proposed)
+        out.seconds += seconds
         out.rounds += 1
         out.chosen[max(k, 0)] += 1
         out.accept_lengths.append(accepted + 1)
-        cap.observe(proposed, accepted, 0.0)
+        cap.observe(proposed, accepted, seconds)  # a cap that learns round costs sees the charge
         j += accepted + 1
     out.tokens = max(0, trace.num_tokens - 1)
     return out

@@ -6,7 +6,10 @@ expected to beat plain decoding (gain < `min_gain`), and the evidence is firm ab
 `off_confidence` quantile of each acceptance rate would not pay), it drafts nothing,
 except a short probe every `probe_every` rounds or more, so that it notices when drafts start
 matching again. With a drafter that sizes its own drafts (`Drafter.sizes_own_drafts`: lookup)
-it decides only whether to draft, and lets the drafter fill up to the limit.
+it decides only whether to draft, and lets the drafter fill up to the limit. Each round's
+measured time also updates how far this process's rounds run from what the curves charge
+(`RoundCostOffset`: the host's speed moves between calibration and use), and that gap is added
+to every cost it plans with (`learn_round_cost: false` plans with the curves alone).
 """
 
 from __future__ import annotations
