@@ -6,7 +6,8 @@ costs verify(K = k + 1, depth) + drafter(k) seconds; plain decoding commits 1 to
 verify(1, depth). The best k maximises E / cost; its ratio to plain decoding is the gain.
 `auto` refines this with what it learns per round (`estimators.py`): the first position's
 acceptance apart from the later ones', and how many tokens the drafter actually proposes when
-allowed k (a lookup drafter often proposes fewer, or none), so a cap costs only what is drafted.
+allowed k (a lookup drafter often proposes fewer, or none), so a cap costs only what is drafted;
+and how much longer its rounds take than the curves charge (the host's speed moves).
 
 `CurveCap` is the DraftCap both `calibrated` (fixed prior p) and `auto` (p learnt per round,
 speculation off when the gain drops below 1 even at an optimistic reading of the evidence,
@@ -348,7 +349,8 @@ class CurveCap(DraftCap):
             return 0.0
         if self.curves is None or (offset := self.round_cost.offset) == 0.0:
             return 0.0
-        step = OFFSET_STEP * self.curves.verify_cost(1, self.depth)
+        # One step at every depth, so a plan cached for a depth bucket stays valid in it.
+        step = OFFSET_STEP * self.curves.verify_cost(1, 0)
         return round(offset / step) * step if step > 0 else 0.0
 
     def choose(self, drafter_max: int | None) -> int:

@@ -3,8 +3,8 @@
 The curves (`curves.py`) time verify forwards in a tight loop of their own. The decode loop
 times every round it runs (`DraftCap.observe`'s `seconds`: drafting, the verify forward, the
 host sync, the cache trim), so a benchmark can check the curves against the loop itself: on
-the H200 the lookup sweep of 2026-11-30 23:10 UTC found the curves' one-row cost twice the
-loop's plain decoding step, and `auto`'s 16-row drafts slower than the curves predict
+the H200 the lookup sweep of 2026-11-30 23:10 UTC found the curves' one-row cost 1.5x the
+loop's plain decoding step in the call that measured them and up to 2.2x in later calls
 (docs/benchmarks.md §3). These helpers record the rounds, summarise them per row count, and
 turn them into `Curves` that a replay can charge instead of the measured ones.
 """
