@@ -284,7 +284,9 @@ case "${1:-}" in
     ;;
   grow-one)  # both candidates trained start to end in this one call, from a data set that a
     # grow-first sent home and earlier calls staged back into /root/stage/data (see the header);
-    # STEPS (default 3000) is what fits after unstaging, the data check and the start-up
+    # STEPS (default 3000) is what fits after unstaging, the data check and the start-up. For a
+    # fresh machine: on one still warm from grow-first, grow-more resumes its checkpoints instead.
+    # Not yet run (written 2026-12-01 after the second loss); the pack/unpack pair was run here.
     export DATA_RECIPE="$R-dspark-more.yaml"
     unpack_data && data || exit 1
     for kind in dspark-more dflash-grow; do
