@@ -396,7 +396,7 @@ def test_requests_are_served_one_at_a_time_in_arrival_order(server, oai):
     def ask(i: int) -> None:
         try:
             resp = oai.chat.completions.create(
-                model=MODEL, messages=TALK, max_tokens=8, temperature=0
+                model=MODEL, messages=TALK, max_tokens=16, temperature=0
             )
             done.append(i)
             waited.append(ext(resp)["queue_seconds"])
@@ -407,7 +407,9 @@ def test_requests_are_served_one_at_a_time_in_arrival_order(server, oai):
     for i in range(3):
         threads.append(threading.Thread(target=ask, args=(i,)))
         threads[-1].start()
-        time.sleep(0.3)  # arrival order 0, 1, 2; each generation takes longer than this
+        # Arrival order 0, 1, 2, far apart next to a generation (16 tokens, ~0.7 s here): with
+        # 0.3 s gaps and 8 tokens the queue wait fell to 0.049 s on a fast run and failed.
+        time.sleep(0.1)
     for t in threads:
         t.join(timeout=120)
     assert not errors and done == [0, 1, 2]
