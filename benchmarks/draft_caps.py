@@ -578,15 +578,16 @@ def replay_only(args: argparse.Namespace) -> int:
     curves = Curves.from_dict(source.get("curves", source))
     ks = [k for k in data.get("ks", []) if k <= curves.block] or list(range(1, curves.block + 1))
     block = min(data.get("block") or curves.block, curves.block)
+    auto, drafter = json.loads(args.auto), drafter_of(data)
     print(
         replay_report(
             data["traces"],
             curves,
             ks,
-            json.loads(args.auto),
+            auto,
             block=block,
             sticky=args.sticky,
-            drafter=drafter_of(data),
+            drafter=drafter,
             variant=json.loads(args.auto_variant or "null"),
         )
     )
@@ -594,17 +595,9 @@ def replay_only(args: argparse.Namespace) -> int:
         rounds = loaded_rounds(data)
         plain = greedy_step(data["times"], data["tokens"])
         print("\n" + loop_report(rounds, curves, plain) + "\n")
-        print(
-            loop_replay(
-                rounds, data["traces"], curves, ks, json.loads(args.auto), block, drafter_of(data)
-            )
-        )
+        print(loop_replay(rounds, data["traces"], curves, ks, auto, block, drafter))
     if args.orders:
-        auto = json.loads(args.auto)
-        print(
-            "\n"
-            + order_report(data["traces"], curves, ks, auto, block, drafter_of(data), args.orders)
-        )
+        print("\n" + order_report(data["traces"], curves, ks, auto, block, drafter, args.orders))
     return 0
 
 
@@ -743,7 +736,7 @@ def record_proposals(drafter: Any) -> list[tuple[int, int]]:
 def model_seconds(curves: Any, r: Any, calls: list[tuple[int, int]], prompt_len: int) -> float:
     """Decode time as the curves predict it: a drafting round verifies n + 1 rows at its depth;
     a round without a propose() call (plain, or auto switched off) verifies one row."""
-    secs = sum(curves.verify_cost(n + 1, depth) + curves.drafter_cost(n) for depth, n in calls)
+    secs = sum(curves.round_cost(n, depth) for depth, n in calls)
     plain = max(0, r.num_rounds - len(calls))
     return secs + plain * curves.verify_cost(1, prompt_len + r.num_tokens / 2)
 

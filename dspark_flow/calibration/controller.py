@@ -455,11 +455,8 @@ class CurveCap(DraftCap):
         )
 
     def observe(self, proposed: int, accepted: int, seconds: float) -> None:
-        if self.adaptive and self.curves is not None:  # what the curves charge this round
-            charged = self.curves.verify_cost(proposed + 1, self.depth)
-            if self._last_k > 0:
-                charged += self.curves.drafter_cost(proposed)
-            self.round_cost.update(seconds, charged)
+        if self.adaptive and self.curves is not None:  # measured against what the curves charge
+            self.round_cost.update(seconds, self.curves.round_cost(proposed, self.depth))
         self.depth += accepted + 1
         if self.adaptive:
             self.estimator.update(proposed, accepted)

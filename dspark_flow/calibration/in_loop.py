@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dspark_flow.calibration.curves import Curves
 
 # Fewer rounds than this at one row count are too few for a median that decides anything.
@@ -78,11 +80,6 @@ def summarize_rounds(rounds: Iterable[Round]) -> list[RowCost]:
     ]
 
 
-def curve_round_cost(curves: Curves, rows: int, depth: float) -> float:
-    """What the curves charge a round of `rows` rows at `depth` (verify + drafting rows - 1)."""
-    return curves.verify_cost(rows, depth) + curves.drafter_cost(rows - 1)
-
-
 def comparison_table(costs: list[RowCost], curves: Curves, plain: float | None = None) -> str:
     """Markdown: per row count, the loop's median round time against the curves' figure at
     the same depth. `plain`: plain greedy decoding's seconds per token, for the one-row line."""
@@ -92,13 +89,13 @@ def comparison_table(costs: list[RowCost], curves: Curves, plain: float | None =
     ]
     if plain is not None:
         depth = costs[0].depth if costs else curves.depths[0]
-        model = curve_round_cost(curves, 1, depth)
+        model = curves.round_cost(0, depth)
         lines.append(
             f"| 1 (greedy) | per token | {plain * 1e3:.2f} | {model * 1e3:.2f} | "
             f"{plain / model:.2f} |"
         )
     for c in costs:
-        model = curve_round_cost(curves, c.rows, c.depth)
+        model = curves.round_cost(c.rows - 1, c.depth)
         lines.append(
             f"| {c.rows} | {c.rounds} | {c.seconds * 1e3:.2f} | {model * 1e3:.2f} | "
             f"{c.seconds / model:.2f} |"
@@ -113,32 +110,22 @@ def in_loop_curves(costs: list[RowCost], curves: Curves, min_rounds: int = MIN_R
     ratio applies at every depth (the loop's rounds cover too few depths to fit their own).
     Raises ValueError when no row count has enough rounds."""
     known = {
-        c.rows: c.seconds / curve_round_cost(curves, c.rows, c.depth)
+        c.rows: c.seconds / curves.round_cost(c.rows - 1, c.depth)
         for c in costs
         if c.rounds >= min_rounds
     }
     if not known:
         raise ValueError(f"no row count has {min_rounds} rounds or more")
     xs = sorted(known)
-
-    def ratio(rows: int) -> float:
-        if rows <= xs[0]:
-            return known[xs[0]]
-        if rows >= xs[-1]:
-            return known[xs[-1]]
-        hi = next(x for x in xs if x >= rows)
-        lo = max(x for x in xs if x <= rows)
-        if hi == lo:
-            return known[lo]
-        w = (rows - lo) / (hi - lo)
-        return known[lo] + w * (known[hi] - known[lo])
+    # Linear between measured row counts, the nearest one's ratio outside them.
+    ratios = np.interp(np.arange(1, len(curves.verify[0]) + 1), xs, [known[x] for x in xs])
 
     # The drafter's cost stays as measured; the ratio lands on the verify part (a round's
     # drafting is small next to its forward, and the loop times both together).
     verify = [
         [
-            max(0.0, ratio(k) * (t + curves.drafter_cost(k - 1)) - curves.drafter_cost(k - 1))
-            for k, t in enumerate(row, start=1)
+            max(0.0, float(r) * (t + curves.drafter_cost(k - 1)) - curves.drafter_cost(k - 1))
+            for k, (t, r) in enumerate(zip(row, ratios, strict=True), start=1)
         ]
         for row in curves.verify
     ]

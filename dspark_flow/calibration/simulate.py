@@ -113,7 +113,7 @@ def _matching_prefix(draft: list[int], truth: list[int]) -> int:
 
 def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Replay:
     """Decode `trace` with `cap` choosing k each round (at most `block`); every round is charged
-    verify(proposed + 1 rows, depth) + drafter(proposed) from `curves`."""
+    `curves.round_cost(proposed, depth)`: verify(proposed + 1 rows) + drafter(proposed)."""
     out = Replay()
     if hasattr(cap, "begin"):
         cap.begin([0] * trace.prompt_len)  # type: ignore[attr-defined]
@@ -123,9 +123,7 @@ def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Repl
         depth = trace.prompt_len + j
         proposed = min(max(k, 0), trace.proposed[j])
         accepted = min(proposed, trace.accepted[j])
-        seconds = curves.verify_cost(proposed + 1, depth)
-        if k > 0:
-            seconds += curves.drafter_cost(proposed)
+        seconds = curves.round_cost(proposed, depth)
         out.seconds += seconds
         out.rounds += 1
         out.chosen[max(k, 0)] += 1
