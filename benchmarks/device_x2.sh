@@ -63,23 +63,27 @@ data_done() {  # the marker of a complete data set, one per data recipe (DATA_RE
   echo "/tmp/data.done.$(basename "${DATA_RECIPE:-$R-dspark.yaml}" .yaml)"
 }
 
-data() {  # the shared training data, half the answers on each GPU (resumable; training waits for it)
+data() {  # the shared training data, the answers split over DATA_GPUS (default "0 1"; resumable;
+  # training waits for it). RSET: extra `--set` arguments for data and training alike (the data
+  # cache is keyed by the data section, so both must see the same overrides).
   [ -e "$(data_done)" ] && return 0
-  local t=$(upto 60) pids=() gpu
+  local t=$(upto 60) pids=() gpus=(${DATA_GPUS:-0 1}) i
   [ "$t" -gt 30 ] || { echo "data: too little time left"; return 1; }
-  for gpu in 0 1; do  # worker 0 writes the self prompts, worker 1 waits for them
-    CUDA_VISIBLE_DEVICES=$gpu timeout $t python3 -P -m dspark_flow.cli.main train \
-      "${DATA_RECIPE:-$R-dspark.yaml}" --stage data --data-worker $gpu/2 --quiet --log-level info 2>&1 \
-      | grep -vE "generation  " | cut -c1-260 >> $O/data-$gpu.log &
-    pids+=($!)
-  done
-  wait "${pids[@]}"
-  # Both shares on disk: this run checks them and marks the set complete (it generates nothing
-  # unless a share was cut short, which it then finishes itself).
-  CUDA_VISIBLE_DEVICES=0 timeout $(upto 20) python3 -P -m dspark_flow.cli.main train \
-    "${DATA_RECIPE:-$R-dspark.yaml}" --stage data --quiet --log-level info 2>&1 | grep -vE "generation  " \
+  if [ ${#gpus[@]} -gt 1 ]; then
+    for i in "${!gpus[@]}"; do  # worker 0 writes the self prompts, the others wait for them
+      CUDA_VISIBLE_DEVICES=${gpus[$i]} timeout $t python3 -P -m dspark_flow.cli.main train \
+        "${DATA_RECIPE:-$R-dspark.yaml}" --stage data --data-worker $i/${#gpus[@]} ${RSET:-} --quiet --log-level info 2>&1 \
+        | grep -vE "generation  " | cut -c1-260 >> $O/data-$i.log &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+  fi
+  # Every share on disk: this run checks them and marks the set complete (it generates nothing
+  # unless a share was cut short, which it then finishes itself; on one GPU it makes them all).
+  CUDA_VISIBLE_DEVICES=${gpus[0]} timeout $(upto 20) python3 -P -m dspark_flow.cli.main train \
+    "${DATA_RECIPE:-$R-dspark.yaml}" --stage data ${RSET:-} --quiet --log-level info 2>&1 | grep -vE "generation  " \
     | cut -c1-260 >> $O/data.log && grep -q "training data" $O/data.log && touch "$(data_done)"
-  tail -n 2 $O/data-0.log $O/data-1.log $O/data.log
+  tail -n 2 $O/data*.log
 }
 
 train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or the time is up
@@ -89,7 +93,7 @@ train() {  # train KIND GPU [SECONDS] [STAGES]: train (resuming) until done or t
   # --time-limit is checked between steps; timeout is the backstop (a fresh process first
   # spends minutes compiling CUDA kernels) so the call still returns its files.
   CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 10) python3 -P -m dspark_flow.cli.main train \
-    "$R-$kind.yaml" $stages --quiet --log-level info --time-limit "$secs" 2>&1 | grep -vE "generation  " | cut -c1-260 >> $O/train-$kind.log
+    "$R-$kind.yaml" $stages ${RSET:-} --quiet --log-level info --time-limit "$secs" 2>&1 | grep -vE "generation  " | cut -c1-260 >> $O/train-$kind.log
   local last; last=$(grep -E "trained|paused|rror" $O/train-$kind.log | tail -1)
   echo "$kind: $last"
   [[ "$last" == *trained* ]]  # fails when paused or broken, so `train ... && bench` benches only a finished drafter
@@ -312,6 +316,20 @@ case "${1:-}" in
     bench_candidate dspark-more 0 & bench_candidate dflash-grow 1 &
     wait
     ;;
+  solo-data)  # issue 5 on a one-GPU lease (after unstaging): the candidates' data set on this
+    # GPU alone, sent home as grow-first does. 40,000 self prompts need ~415 s on one GPU, too
+    # close to a call's limit: RSET="--set data.self_prompts=32000" (and the same RSET for every
+    # later call of the plan, training included) fits.
+    export DATA_RECIPE="$R-dspark-more.yaml" DATA_GPUS=0
+    data && pack_data
+    ;;
+  solo-grow)  # one candidate (KIND: dspark-more or dflash-grow) trained start to end on one GPU,
+    # exported and packed; its data from a warm solo-data call, else unpacked from /root/stage/data
+    export DATA_RECIPE="$R-dspark-more.yaml" DATA_GPUS=0
+    [ -e "$(data_done)" ] || { unpack_data && data; } || exit 1
+    train "${KIND:?KIND names the candidate}" 0 $(upto 45) "--stage train --stage export --set train.steps=${STEPS:-3000}"
+    pack out/drafters "$(basename "$(candidate_dir "$KIND")")"
+    ;;
   solo-*)  # one-GPU lease (kind nvidia-h200), nothing else on the host: later calls reuse the
     # kernels' verdicts and the calibration curves left on the warm machine
     export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache SWEEP_GPU=0
@@ -379,7 +397,7 @@ case "${1:-}" in
     done
     grep -E "^pending" $O/pending.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
