@@ -165,7 +165,7 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
     import shutil
     import uuid
 
-    from dspark_flow.training.run import run_training
+    from dspark_flow.training.run import run_training, write_card
     from dspark_flow.training.trainer import work_dir
 
     prompts = tmp_path / "prompts.jsonl"
@@ -202,6 +202,14 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         assert second["vocab"]["answer_tokens"] == second["data"]["answer_tokens"]
         card = tmp_path / "drafter" / "train_summary.json"
         assert json.loads(card.read_text())["train"]["calls"] == 2
+        # A later call (eval, export) with other overrides rewrites the model card: it still
+        # states the data and settings the producing calls used.
+        other = recipe.model_copy(deep=True)
+        other.data.self_prompts, other.train.lr = 123, 0.5
+        write_card(other, tmp_path / "drafter")
+        text = (tmp_path / "drafter" / "README.md").read_text()
+        assert "plus 0 prompts it wrote itself" in text
+        assert f"AdamW lr {recipe.train.lr} " in text and "lr 0.5" not in text
         # Starting over (--fresh) and pausing again: the new run's record forgets the old
         # drafter's export, and the exported drafter's own record is left as it was.
         third = run_training(recipe, stages=stages, progress=False, time_limit=0.0, fresh=True)

@@ -23,7 +23,17 @@ from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 log = get_logger(__name__)
-STAGES = ("data", "train", "export", "eval")  # the default run; export writes the vocab too
+STAGES = ("data", "train", "export", "eval")
+# The training settings the model card states, recorded by the call that trains.
+CARD_TRAIN_SETTINGS = {
+    "batch_size",
+    "anchors_per_seq",
+    "seq_len",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "grad_clip",
+}  # the default run; export writes the vocab too
 SUMMARY = "train_summary.json"
 
 
@@ -116,6 +126,9 @@ def run_training(
                 return summary
             samples = load_samples(cache)
         summary["data"] = {
+            # The card is written again by later calls (eval, export), whose --set overrides
+            # may differ: it reads what made the data and the drafter from here.
+            "self_prompts": recipe.data.self_prompts,
             "samples": len(samples),
             "tokens": int(sum(len(s.tokens) for s in samples)),
             "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in samples)),
@@ -153,6 +166,7 @@ def run_training(
             "checkpoints": str(trainer.checkpoints),
             "device": summary["device"],
             "command": command,
+            "settings": recipe.train.model_dump(mode="json", include=CARD_TRAIN_SETTINGS),
         }
         if trainer.started_from:
             summary["train"]["init_from"] = trainer.started_from
@@ -303,6 +317,9 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
     data = summary.get("data") or {}
     train = summary.get("train") or {}
     ev = summary.get("eval") or {}
+    # What the producing calls recorded wins over this call's recipe (its overrides may differ).
+    self_prompts = data.get("self_prompts", d.self_prompts)
+    t = recipe.train.model_copy(update=train.get("settings") or {})
     parts = [
         f"# {recipe.name}",
         "",
@@ -316,16 +333,16 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         "",
         "## Data (self-distilled)",
         f"The target answered these prompts with its own chat template at temperature {d.temperature} "
-        f"(at most {d.max_new_tokens} new tokens), plus {d.self_prompts} prompts it wrote itself (Magpie-style, "
+        f"(at most {d.max_new_tokens} new tokens), plus {self_prompts} prompts it wrote itself (Magpie-style, "
         f"temperature {d.self_prompt_temperature}{_starts_text(d.self_prompt_starts)}):",
         files or "- (none)",
         "",
         f"Samples: {data.get('samples', '?')}, tokens: {data.get('tokens', '?')} (answers: {data.get('answer_tokens', '?')}).",
         "",
         "## Training",
-        f"{train.get('steps', '?')} steps of {recipe.train.batch_size} sequences x {recipe.train.anchors_per_seq} blocks "
-        f"(sequence length {recipe.train.seq_len}), AdamW lr {recipe.train.lr} (warmup {recipe.train.warmup_steps}, cosine "
-        f"to {recipe.train.min_lr_ratio}x), clip {recipe.train.grad_clip}; {train.get('seconds', '?')} s on {train.get('device', '?')}.",
+        f"{train.get('steps', '?')} steps of {t.batch_size} sequences x {t.anchors_per_seq} blocks "
+        f"(sequence length {t.seq_len}), AdamW lr {t.lr} (warmup {t.warmup_steps}, cosine "
+        f"to {t.min_lr_ratio}x), clip {t.grad_clip}; {train.get('seconds', '?')} s on {train.get('device', '?')}.",
         *_lineage(train.get("init_from")),
         "",
         "## Acceptance (greedy, full block, held-out prompts, the product's own loop)",
