@@ -24,6 +24,10 @@
 # and on a later lease, after part_00..02, stage them with the drafters moved out of the tree
 # (carry [".stage/data"]: `mkdir -p /root/stage/data && cp .stage/data/* /root/stage/data/`),
 # then with part_03 run grow-one: both candidates from start to end in one call.
+# solo-data | solo-grow: the same plan on a one-GPU lease (run 2026-12-01): solo-data makes the
+# data set (32,000 self prompts, 388 s) and sends it home like grow-first; solo-grow trains one
+# candidate (KIND=dspark-more|dflash-grow, STEPS) per call, unpacking the staged data set first
+# on a fresh machine. The set made then is in .stage/data/ (8.2 MB).
 # pair-sweeps: issue 6 on a two-GPU lease, DSpark on GPU 0 and DFlash on GPU 1 in one call;
 # repeat the call for more trials and join the runs with `draft_caps.py --merge`.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
@@ -317,9 +321,9 @@ case "${1:-}" in
     wait
     ;;
   solo-data)  # issue 5 on a one-GPU lease (after unstaging): the candidates' data set on this
-    # GPU alone, sent home as grow-first does. 40,000 self prompts need ~415 s on one GPU, too
-    # close to a call's limit: RSET="--set data.self_prompts=32000" (and the same RSET for every
-    # later call of the plan, training included) fits.
+    # GPU alone, sent home as grow-first does (the recipes' 32,000 self prompts: 388 s; 40,000
+    # would need ~415 s, too close to a call's limit). Overrides given in RSET must be given to
+    # every later call of the plan too, training included.
     export DATA_RECIPE="$R-dspark-more.yaml" DATA_GPUS=0
     data && pack_data
     ;;
