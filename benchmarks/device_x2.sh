@@ -205,14 +205,17 @@ candidate_dir() {  # candidate_dir KIND: where the candidate recipe $R-KIND.yaml
   echo "$PWD/out/drafters/$(sed -n 's|^output: \.\./\.\./out/drafters/||p' "$R-$1.yaml")"
 }
 
-bench_candidate() {  # bench_candidate KIND GPU: a candidate beside the shipped drafter, auto and full block
-  local base=${1%%-*} dir cap
+bench_candidate() {  # bench_candidate KIND GPU: a candidate beside the shipped drafter, under the
+  # draft caps CAPS (default "auto full_block") and the recipe's verifier (VERIFIER overrides it)
+  local base=${1%%-*} dir cap recipes=()
   dir=$(candidate_dir $1)
   [ -f "$dir/config.json" ] || { echo "$1: no exported drafter in $dir"; return 1; }
-  for cap in auto full_block; do
-    variant $base $base-shipped-$cap "{kind: $cap}"; variant $base $base-candidate-$cap "{kind: $cap}" "$dir"
+  for cap in ${CAPS:-auto full_block}; do
+    variant $base $base-shipped-$cap "{kind: $cap}" auto "${VERIFIER:-}"
+    variant $base $base-candidate-$cap "{kind: $cap}" "$dir" "${VERIFIER:-}"
+    recipes+=(/tmp/$base-shipped-$cap.yaml /tmp/$base-candidate-$cap.yaml)
   done
-  bench_run $1 $2 /tmp/$base-{shipped,candidate}-{auto,full_block}.yaml --trials 2
+  bench_run $1 $2 "${recipes[@]}" --trials "${TRIALS:-2}" --no-mlx-lm
 }
 
 bench_grown() {  # the new DSpark drafter (auto, full block) and the one it grew from, with stock greedy
@@ -334,6 +337,11 @@ case "${1:-}" in
     train "${KIND:?KIND names the candidate}" 0 $(upto 45) "--stage train --stage export --set train.steps=${STEPS:-3000}"
     pack out/drafters "$(basename "$(candidate_dir "$KIND")")"
     ;;
+  solo-candidate)  # KIND's exported candidate (carried in out/drafters) beside the shipped drafter
+    # on one GPU, e.g. VERIFIER='{kind: reference}' CAPS=full_block: no kernel probes, no curves
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-2}"
+    bench_candidate "${KIND:?KIND names the candidate}" 0
+    ;;
   solo-*)  # one-GPU lease (kind nvidia-h200), nothing else on the host: later calls reuse the
     # kernels' verdicts and the calibration curves left on the warm machine
     export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache SWEEP_GPU=0
@@ -401,7 +409,7 @@ case "${1:-}" in
     done
     grep -E "^pending" $O/pending.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
