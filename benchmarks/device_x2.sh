@@ -330,11 +330,12 @@ case "${1:-}" in
     export DATA_RECIPE="$R-dspark-more.yaml" DATA_GPUS=0
     data && pack_data
     ;;
-  solo-grow)  # one candidate (KIND: dspark-more or dflash-grow) trained start to end on one GPU,
-    # exported and packed; its data from a warm solo-data call, else unpacked from /root/stage/data
+  solo-grow)  # one candidate (KIND: dspark-more or dflash-grow) trained start to end on one GPU
+    # (the recipe's steps, or STEPS), exported and packed; its data from a warm solo-data call,
+    # else unpacked from /root/stage/data
     export DATA_RECIPE="$R-dspark-more.yaml" DATA_GPUS=0
     [ -e "$(data_done)" ] || { unpack_data && data; } || exit 1
-    train "${KIND:?KIND names the candidate}" 0 $(upto 45) "--stage train --stage export --set train.steps=${STEPS:-3000}"
+    train "${KIND:?KIND names the candidate}" 0 $(upto 45) "--stage train --stage export ${STEPS:+--set train.steps=$STEPS}"
     pack out/drafters "$(basename "$(candidate_dir "$KIND")")"
     ;;
   solo-candidate)  # KIND's exported candidate (carried in out/drafters) beside the shipped drafter

@@ -23,7 +23,7 @@ from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 log = get_logger(__name__)
-STAGES = ("data", "train", "export", "eval")
+STAGES = ("data", "train", "export", "eval")  # the default run; export writes the vocab too
 # The training settings the model card states, recorded by the call that trains.
 CARD_TRAIN_SETTINGS = {
     "batch_size",
@@ -33,7 +33,7 @@ CARD_TRAIN_SETTINGS = {
     "warmup_steps",
     "min_lr_ratio",
     "grad_clip",
-}  # the default run; export writes the vocab too
+}
 SUMMARY = "train_summary.json"
 
 
