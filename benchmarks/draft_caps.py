@@ -67,7 +67,13 @@ LOOKUP = {"kind": "lookup", "min_ngram": 2, "max_ngram": 4, "max_draft": 16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--per-category", type=int, default=2, help="prompts per category")
+    p.add_argument(
+        "--per-category",
+        type=int,
+        default=None,
+        help="prompts per category (default: 2 of the package's prompts, every prompt of a "
+        "--prompts file)",
+    )
     p.add_argument(
         "--prompts",
         type=Path,
@@ -164,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--draft-vocab is for the trained drafters (dspark, dflash), not lookup")
     if args.quick:
         args.per_category, args.ks, args.trials = 1, "1,4", 1
+    if args.per_category is None:  # a file the user chose is taken whole
+        args.per_category = 2 if args.prompts == PROMPTS else None
     return args
 
 
@@ -174,7 +182,8 @@ def parse_ks(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def pick_prompts(per_category: int, path: Path = PROMPTS) -> list[tuple[str, str]]:
+def pick_prompts(per_category: int | None, path: Path = PROMPTS) -> list[tuple[str, str]]:
+    """The first `per_category` prompts of each category in `path` (None: all of them)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out: list[tuple[str, str]] = []
     for cat in CATEGORIES:
@@ -371,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             f"calibration {calib_s:.1f}s ({'measured' if measured else 'cached'}); curves used: "
             f"{curves_from}\n"
             f"machine: {json.dumps(info)}\n"
-            f"prompts: {len(prompts)} ({args.per_category}/category), max {args.max_tokens} tokens, "
+            f"prompts: {len(prompts)} ({args.per_category or 'all'}/category), max {args.max_tokens} tokens, "
             f"{trials_done} trials, T=0; outputs equal to greedy: "
             f"{'n/a' if not trials_done else 'yes' if not mismatches else 'NO: ' + ', '.join(mismatches)}\n"
         )

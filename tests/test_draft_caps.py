@@ -517,6 +517,21 @@ def test_the_benchmark_pairs_each_auto_run_with_the_same_trial_s_other_run():
     assert "paired_vs_best_fixed" not in unpaired["chat"]
 
 
+def test_the_benchmark_takes_a_prompts_file_whole_unless_told(tmp_path):
+    bench = _draft_caps_script()
+    rows = [{"category": c, "turns": [f"{c} {i}"]} for c in ("chat", "code") for i in range(3)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole = bench.parse_args(["--prompts", str(path)])
+    assert len(bench.pick_prompts(whole.per_category, whole.prompts)) == 6
+    told = bench.parse_args(["--prompts", str(path), "--per-category", "1"])
+    assert bench.pick_prompts(told.per_category, told.prompts) == [
+        ("chat", "chat 0"),
+        ("code", "code 0"),
+    ]
+    assert bench.parse_args([]).per_category == 2  # the package's own prompts: two each
+
+
 def test_the_benchmark_replays_recorded_drafts_against_other_curves(tmp_path):
     import subprocess
     import sys
