@@ -229,6 +229,29 @@ def test_other_workers_wait_for_worker_0s_self_prompts(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
 
 
+def test_the_data_folder_follows_the_prompts_contents_not_their_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(tmp_path / "home"))
+    text = '{"turns": ["What is 2 + 2?"]}\n'
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "p.jsonl").write_text(text)
+
+    def recipe(folder: str) -> TrainRecipe:
+        prompts = [{"path": str(tmp_path / folder / "p.jsonl")}]
+        return TrainRecipe.model_validate({"name": "x", "data": {"prompts": prompts}})
+
+    moved = tdata.data_cache_dir(recipe("b"))
+    assert tdata.data_cache_dir(recipe("a")) == moved  # same prompts elsewhere: same data
+    # A folder named the old way (by the prompt file's path) is adopted, with its contents.
+    old = moved.parent / tdata._cache_name(recipe("a"), by_content=False)
+    old.mkdir(parents=True)
+    (old / tdata.MANIFEST).write_text("{}")
+    assert tdata.data_cache_dir(recipe("a")) == moved
+    assert (moved / tdata.MANIFEST).is_file() and not old.exists()
+    (tmp_path / "b" / "p.jsonl").write_text(text + '{"turns": ["Name a colour."]}\n')
+    assert tdata.data_cache_dir(recipe("b")) != moved  # other contents: other data
+
+
 def test_free_only_data_keeps_its_cache_folder_and_key():
     # Digests computed by the code before self_prompt_starts existed: caches made then are reused.
     recipe = TrainRecipe.model_validate({"name": "pin", "data": {"self_prompts": 100}})

@@ -124,17 +124,41 @@ def _first_turn(line: str, where: str) -> str:
 
 
 def data_cache_dir(recipe: TrainRecipe) -> Path:
+    """Where the recipe's generated data lives: named by what shapes the data, not by recipe
+    name (a DSpark and a DFlash recipe with the same data section share one set), and by the
+    prompt files' contents rather than their paths (a moved checkout or a prompt folder reached
+    through a link finds its data). A folder named the old way, by path, is adopted."""
     if recipe.data.cache_dir:
         return Path(recipe.data.cache_dir).expanduser()
     from dspark_flow.models.embedded import cache_root
 
-    # Keyed by what shapes the data, not by recipe name: a DSpark and a DFlash recipe with the
-    # same data section share one generated set.
+    root = cache_root() / "train" / "data"
+    here = root / _cache_name(recipe, by_content=True)
+    by_path = root / _cache_name(recipe, by_content=False)
+    if by_path != here and by_path.is_dir() and not here.exists():
+        try:
+            os.replace(by_path, here)
+            log.info("data cache renamed by content", old=by_path.name, new=here.name)
+        except OSError:  # another data worker adopted it first
+            pass
+    return here
+
+
+def _cache_name(recipe: TrainRecipe, by_content: bool) -> str:
     data = recipe.data.model_dump()
     if not _steered(recipe):
         del data["self_prompt_starts"]  # (the folder of free-only data keeps its old name)
-    spec = {"data": data, "target": _target_id(recipe)}
-    return cache_root() / "train" / "data" / _digest(spec)[:16]
+    if by_content:
+        for spec in data["prompts"]:
+            spec["path"] = {"sha256": _file_digest(Path(spec["path"]))}
+    return _digest({"data": data, "target": _target_id(recipe)})[:16]
+
+
+def _file_digest(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the prompt file ({exc.strerror})") from None
 
 
 def _steered(recipe: TrainRecipe) -> bool:
