@@ -323,6 +323,10 @@ case "${1:-}" in
     bench_candidate dspark-more 0 & bench_candidate dflash-grow 1 &
     wait
     ;;
+  solo-*)  # one-GPU lease (kind nvidia-h200), nothing else on the host: later calls reuse the
+    # kernels' verdicts and the calibration curves left on the warm machine
+    export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache SWEEP_GPU=0
+    ;;&
   solo-data)  # issue 5 on a one-GPU lease (after unstaging): the candidates' data set on this
     # GPU alone, sent home as grow-first does (the recipes' 32,000 self prompts: 388 s; 40,000
     # would need ~415 s, too close to a call's limit). Overrides given in RSET must be given to
@@ -343,10 +347,6 @@ case "${1:-}" in
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-2}"
     bench_candidate "${KIND:?KIND names the candidate}" 0
     ;;
-  solo-*)  # one-GPU lease (kind nvidia-h200), nothing else on the host: later calls reuse the
-    # kernels' verdicts and the calibration curves left on the warm machine
-    export DSPARK_FLOW_KERNEL_CACHE=/tmp/kernel-cache SWEEP_GPU=0
-    ;;&
   solo-first)  # after unstaging
     # Issue 9: verdicts, verify cost curve and batch invariance of the five targets (no end to
     # end here: solo-e2e runs it one pipeline at a time). The whole call: on 2026-11-30 the
