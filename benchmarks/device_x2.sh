@@ -201,6 +201,11 @@ unpack_data() {  # the data set staged in /root/stage/data (pack_data's parts), 
   mkdir -p "$DSPARK_FLOW_HOME/train/data" && tar -C "$DSPARK_FLOW_HOME/train/data" -xf /tmp/data.tar.xz
 }
 
+staged_data() {  # the candidates' data set: complete on this warm machine already, else the one
+  # a grow-first or solo-data sent home, staged in /root/stage/data (unpacked, then checked)
+  [ -e "$(data_done)" ] || { unpack_data && data; }
+}
+
 candidate_dir() {  # candidate_dir KIND: where the candidate recipe $R-KIND.yaml exports (out/drafters/...)
   echo "$PWD/out/drafters/$(sed -n 's|^output: \.\./\.\./out/drafters/||p' "$R-$1.yaml")"
 }
@@ -299,7 +304,7 @@ case "${1:-}" in
     # fresh machine: on one still warm from grow-first, grow-more resumes its checkpoints instead.
     # Not yet run (written 2026-12-01 after the second loss); the pack/unpack pair was run here.
     export DATA_RECIPE="$R-dspark-more.yaml"
-    unpack_data && data || exit 1
+    staged_data || exit 1
     for kind in dspark-more dflash-grow; do
       gpu=$([ $kind = dspark-more ] && echo 0 || echo 1)
       train $kind $gpu $(upto 45) "--stage train --stage export --set train.steps=${STEPS:-3000}" &
@@ -338,7 +343,7 @@ case "${1:-}" in
     # (the recipe's steps, or STEPS), exported and packed; its data from a warm solo-data call,
     # else unpacked from /root/stage/data
     export DATA_RECIPE="$R-dspark-more.yaml" DATA_GPUS=0
-    [ -e "$(data_done)" ] || { unpack_data && data; } || exit 1
+    staged_data || exit 1
     train "${KIND:?KIND names the candidate}" 0 $(upto 45) "--stage train --stage export ${STEPS:+--set train.steps=$STEPS}"
     pack out/drafters "$(basename "$(candidate_dir "$KIND")")"
     ;;
