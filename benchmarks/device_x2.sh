@@ -413,7 +413,7 @@ case "${1:-}" in
         >> $O/pending.log 2>&1 || ended $? "pending_ab $1"
       shift
     done
-    grep -E "^pending" $O/pending.log
+    grep -E "^(pending|ahead) on" $O/pending.log
     ;;
   *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
 esac

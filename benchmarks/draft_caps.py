@@ -372,7 +372,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             if trials_done and loop_rounds:
                 table += "\n\n" + loop_replay(
-                    loop_rounds, traces, curves, ks, block=block, drafter=args.drafter
+                    loop_rounds,
+                    traces,
+                    curves,
+                    ks,
+                    block=block,
+                    drafter=args.drafter,
+                    variant=json.loads(args.auto_variant or "null"),
                 )
         header = (
             f"command: {' '.join(sys.argv)}\n"
@@ -508,6 +514,10 @@ def replay_report(
         caps["auto variant"] = replay_auto({**(auto or {}), **variant}, curves, drafter)
     if decided_by is not None:
         caps["auto as run"] = replay_auto(auto or {}, decided_by, drafter)
+        if variant is not None:
+            caps["auto variant as run"] = replay_auto(
+                {**(auto or {}), **variant}, decided_by, drafter
+            )
     runs = [DraftTrace.from_dict(t) for t in traces]
     prompts = [(t.category, "") for t in runs]
     names = list(caps)
@@ -557,6 +567,7 @@ def loop_replay(
     auto: dict[str, Any] | None = None,
     block: int | None = None,
     drafter: str = "lookup",
+    variant: dict[str, Any] | None = None,
 ) -> str:
     """The replay again, each row count charged what the loop measured (`in_loop_curves`)."""
     try:
@@ -573,6 +584,7 @@ def loop_replay(
         charged="the loop's own round costs (the curves rescaled per row count); `auto` "
         "decides by those, `auto as run` by the curves",
         decided_by=curves,
+        variant=variant,
     )
 
 
@@ -604,7 +616,8 @@ def replay_only(args: argparse.Namespace) -> int:
         rounds = loaded_rounds(data)
         plain = greedy_step(data["times"], data["tokens"])
         print("\n" + loop_report(rounds, curves, plain) + "\n")
-        print(loop_replay(rounds, data["traces"], curves, ks, auto, block, drafter))
+        variant = json.loads(args.auto_variant or "null")
+        print(loop_replay(rounds, data["traces"], curves, ks, auto, block, drafter, variant))
     if args.orders:
         print("\n" + order_report(data["traces"], curves, ks, auto, block, drafter, args.orders))
     return 0

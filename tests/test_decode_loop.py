@@ -168,3 +168,46 @@ def test_draft_model_with_other_tokenizer_is_refused(embedded, tmp_path):
     )
     with pytest.raises(ConfigError, match="different tokenizer"):
         pipe.warm_up()
+
+
+def test_plain_decoding_one_token_ahead_commits_the_same_and_trims_its_row(
+    embedded, greedy_refs, monkeypatch
+):
+    """Building the next forward on the lazy token (on by default off the CPU, forced here)
+    commits what waiting for each token commits, stops at the same places, and after a stop
+    leaves the cache holding exactly the context but the newest token, like waiting does."""
+    from dspark_flow.engine import decode as loop
+
+    pipe = Pipeline.from_dict(
+        {
+            "target": {"model": "builtin:smollm2-135m"},
+            "drafter": {"kind": "none"},
+            "sampler": {"kind": "greedy"},
+            "stop": [{"kind": "eos"}, {"kind": "max_tokens", "limit": MAX_NEW}],
+        },
+        target=embedded,
+    ).warm_up()
+    cache_rows: list[tuple[int, int]] = []  # (rows held, tokens the context has but the newest)
+    finish = pipe.components.cache.finish
+
+    def recorded(cache, token_ids):
+        cache_rows.append((cache[0].offset, len(token_ids)))
+        finish(cache, token_ids)
+
+    monkeypatch.setattr(pipe.components.cache, "finish", recorded)
+    ref = greedy_refs[1]
+    stop = ref.text[len(ref.text) // 2 :][:6]  # a stop string in the middle of the answer
+    requests = [
+        dict(prompt=PROMPTS[0]["turns"][0]),  # ends at EOS: the look-ahead is discarded
+        dict(prompt=PROMPTS[1]["turns"][0], stop=[stop]),
+        dict(prompt=PROMPTS[1]["turns"][0], max_new_tokens=7),  # nothing built past the budget
+    ]
+    runs = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(loop, "LOOK_AHEAD_ON_CPU", ahead)
+        runs[ahead] = [pipe.generate(**r) for r in requests]
+    for on, off in zip(runs[True], runs[False], strict=True):
+        assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason
+    assert [r.finish_reason for r in runs[True]] == ["stop", "stop", "length"]
+    assert runs[True][0].token_ids == greedy_refs[0].token_ids[: runs[True][0].num_tokens]
+    assert cache_rows[:3] == cache_rows[3:]  # the same rows in the cache as when waiting
