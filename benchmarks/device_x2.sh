@@ -413,24 +413,9 @@ case "${1:-}" in
         >> $O/pending.log 2>&1 || ended $? "pending_ab $1"
       shift
     done
-    grep -E "^(pending|ahead) on" $O/pending.log
+    grep -E "^pending" $O/pending.log
     ;;
-  solo-ahead)  # plain decoding one token ahead against waiting for each token, A/B in one process
-    # per target (pending_ab.py --feature ahead: 4 prompts x TRIALS (default 4), 96 tokens): 4-bit
-    # through MLX's stock path and through the invariant kernels, bf16; then our greedy (looking
-    # ahead) beside mlx-lm's own greedy in one `dspark-flow bench` (held-out prompts, 2 trials)
-    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-2}"
-    set -- '{kind: reference}|auto' '{kind: kernels, invariant: true}|auto' '{kind: reference}|bfloat16'
-    while [ $# -gt 0 ]; do  # each an equal share of what the call has left, the bench's included
-      CUDA_VISIBLE_DEVICES=0 timeout $(( $(upto 15) / ($# + 1) + 1 )) python3 -P benchmarks/pending_ab.py \
-        --feature ahead --set "verifier=${1%|*}" --set "target.weights=${1#*|}" --trials "${TRIALS:-4}" \
-        >> $O/ahead.log 2>&1 || ended $? "pending_ab ahead $1"
-      grep -E "^ahead on" $O/ahead.log | tail -1
-      shift
-    done
-    bench_run greedy 0 recipes/quickstart.yaml --trials 2
-    ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-ahead | pair-sweeps" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

@@ -1,18 +1,12 @@
 #!/usr/bin/env python3
-"""A/B of the greedy sampler's two overlaps of host and device, each on and off, interleaved in
-one process:
-
-* `--feature pending` (default): a greedy draft's ids left on the device for the verify
-  (`Draft.pending`) against synced first; DSpark at a fixed k.
-* `--feature ahead`: plain decoding one token ahead (the next forward built on the lazy token,
-  `Sampler.samples_ahead`) against waiting for each token; the quick-start recipe (no drafter).
+"""A/B of lazy greedy drafts: the same pipeline with the draft's ids left on the device for the
+verify (`Draft.pending`, the default) and synced first, interleaved in one process.
 
     python benchmarks/pending_ab.py --recipe recipes/dspark.yaml --cap "{kind: fixed, k: 5}"
-    python benchmarks/pending_ab.py --feature ahead
     python3 -P benchmarks/pending_ab.py --set verifier="{kind: kernels, invariant: true}"  # GPU
 
-Prints decode tok/s medians of both and the median of per-run ratios (on / off), and checks
-that both committed the same tokens. Side by side in one run: these machines are noisy.
+Prints decode tok/s medians of both and the median of per-run ratios (pending / synced), and
+checks that both committed the same tokens. Side by side in one run: these machines are noisy.
 """
 
 from __future__ import annotations
@@ -37,11 +31,8 @@ PROMPTS = [
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--feature", choices=["pending", "ahead"], default="pending")
-    p.add_argument("--recipe", help="default: recipes/dspark.yaml (pending), quickstart (ahead)")
-    p.add_argument(
-        "--cap", default="{kind: fixed, k: 5}", help="the draft_cap section (pending only)"
-    )
+    p.add_argument("--recipe", default=str(REPO / "recipes" / "dspark.yaml"))
+    p.add_argument("--cap", default="{kind: fixed, k: 5}", help="the draft_cap section")
     p.add_argument("--set", action="append", default=[], help="more recipe overrides")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--trials", type=int, default=4)
@@ -51,21 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_flow import Pipeline
     from dspark_flow.strategies.samplers.greedy import GreedySampler
 
-    attribute = {"pending": "resolves_pending", "ahead": "samples_ahead"}[args.feature]
-    recipe = args.recipe or str(
-        REPO / "recipes" / ("dspark.yaml" if args.feature == "pending" else "quickstart.yaml")
-    )
-    overrides = [f"stop.1.limit={args.max_tokens}", *args.set]
-    if args.feature == "pending":
-        overrides.append(f"draft_cap={args.cap}")
-    pipeline = Pipeline.from_yaml(recipe, overrides=overrides).warm_up()
+    overrides = [f"draft_cap={args.cap}", f"stop.1.limit={args.max_tokens}", *args.set]
+    pipeline = Pipeline.from_yaml(args.recipe, overrides=overrides).warm_up()
     speed: dict[bool, list[float]] = {True: [], False: []}
     tokens: dict[bool, list[list[int]]] = {True: [], False: []}
     for trial in range(args.trials + 1):  # trial 0 warms every shape up, unrecorded
         for prompt in PROMPTS:
             order = (True, False) if trial % 2 == 0 else (False, True)  # drift hits both alike
             for pending in order:
-                setattr(GreedySampler, attribute, pending)
+                GreedySampler.resolves_pending = pending
                 result = pipeline.generate(prompt)
                 if trial:
                     speed[pending].append(result.decode_tokens_per_sec)
@@ -73,17 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trial {trial} done", file=sys.stderr, flush=True)
     ratios = [a / b for a, b in zip(speed[True], speed[False], strict=True)]
     figures = {
-        "feature": args.feature,
-        "cap": args.cap if args.feature == "pending" else None,
+        "cap": args.cap,
         "overrides": args.set,
-        "on_tok_s": statistics.median(speed[True]),
-        "off_tok_s": statistics.median(speed[False]),
+        "pending_tok_s": statistics.median(speed[True]),
+        "synced_tok_s": statistics.median(speed[False]),
         "median_ratio": statistics.median(ratios),
         "runs": len(ratios),
         "same_tokens": tokens[True] == tokens[False],
     }
     print(
-        f"{args.feature} on {figures['on_tok_s']:.2f} tok/s, off {figures['off_tok_s']:.2f}; "
+        f"pending {figures['pending_tok_s']:.2f} tok/s, synced {figures['synced_tok_s']:.2f}; "
         f"median per-run ratio {figures['median_ratio']:.3f} over {len(ratios)} runs; "
         f"same tokens: {figures['same_tokens']}"
     )

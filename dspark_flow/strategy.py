@@ -158,9 +158,6 @@ class Sampler(Strategy):
     # True where verify() takes a draft whose ids are still `pending` and resolves them in its
     # sync; drafters hand pending drafts only to such samplers.
     resolves_pending: ClassVar[bool] = False
-    # True where sample() needs no host sync and, with no draft, gives the token verify() would:
-    # plain decoding then builds the next forward on it before waiting (engine/decode.py).
-    samples_ahead: ClassVar[bool] = False
 
     def verify(self, logits: mx.array, draft: Draft) -> tuple[int, int]:
         """Accept a prefix of `draft` against target `logits` (k+1 rows).

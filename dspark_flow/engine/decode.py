@@ -3,14 +3,6 @@
 Plain decoding is this loop with a drafter that proposes nothing. Each round does one target
 forward over [last committed token] + draft, one host sync (inside the sampler's verify), trims
 the rejected tail from the cache and checks the stop rules on what was committed.
-
-Plain decoding runs one token ahead where it can (no drafter, a sampler whose `sample` needs no
-host sync): the next round's forward is built on this round's token while it is still on the
-device, and only then does the host wait for it, as mlx-lm's generate does. On a GPU, where a
-small model's forward is mostly the host building its graph, that hides the building behind the
-device's work. A stop then leaves one forward unused; its cache row is trimmed. Not on the CPU
-backend, where the host and the "device" share the same cores (A/B on a 2-core CPU, 24 runs:
-0.992 of waiting).
 """
 
 from __future__ import annotations
@@ -25,7 +17,6 @@ import mlx.nn as nn
 
 from dspark_flow.engine.textstream import TextStream
 from dspark_flow.errors import ConfigError
-from dspark_flow.models.backend import backend_name
 from dspark_flow.result import GenResult
 from dspark_flow.strategy import (
     CacheStrategy,
@@ -38,7 +29,6 @@ from dspark_flow.strategy import (
 )
 
 PREFILL_CHUNK = 512  # bounds activation memory on long prompts
-LOOK_AHEAD_ON_CPU = False  # tests turn it on: the CPU is where they run
 
 
 @dataclass
@@ -116,12 +106,6 @@ def decode(
     stream = TextStream(c.tokenizer, c.stops, pending.append if stream_text else None)
     budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)
     drafting = c.drafter.max_draft != 0
-    look_ahead = (
-        not drafting
-        and c.sampler.samples_ahead
-        and (LOOK_AHEAD_ON_CPU or backend_name() != "cpu")
-    )
-    ahead: mx.array | None = None  # logits of a forward already built on the newest token
 
     c.sampler.begin()
     c.drafter.begin(prompt_ids, c.sampler)
@@ -156,21 +140,12 @@ def decode(
         draft = c.drafter.propose(prompt_ids + generated, k) if k > 0 else Draft()
         if draft.pending is not None:  # the drafter computes while the verify graph is built
             mx.async_eval(draft.pending)
-        if ahead is not None:  # built last round on the token it was waiting for
-            logits, ahead = ahead, None
-        else:
-            logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
-        if look_ahead and (budget is None or len(generated) + 1 < budget):
-            token = c.sampler.sample(logits)
-            ahead = c.verifier.forward(c.model, token.reshape(1), cache)
-            mx.async_eval(ahead)
-            accepted, next_token = 0, int(token.item())
-        else:
-            accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
+        logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
+        accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
         if draft.pending is not None:  # a sampler claiming resolves_pending that did not
             raise ConfigError(f"sampler {type(c.sampler).__name__} left the draft's ids pending")
         c.cache.trim(cache, len(draft.tokens) - accepted)
-        forwards += 1  # forwards whose logits a round used (not a look-ahead a stop discarded)
+        forwards += 1
         start = len(generated)
         generated += [*draft.tokens[:accepted], next_token]
         accept_lengths.append(accepted + 1)
@@ -179,8 +154,6 @@ def decode(
             c.drafter.observe(len(draft.tokens), accepted)
             c.draft_cap.observe(len(draft.tokens), accepted, time.perf_counter() - t_round)
 
-    if ahead is not None:  # a stop came with the next forward already built: drop its row
-        c.cache.trim(cache, 1)
     text = stream.finish(generated, stopped_by_text)
     for piece in pending:
         yield TextEvent(piece)

@@ -33,7 +33,6 @@ def greedy_verify(logits: mx.array, draft: Draft) -> tuple[int, int]:
 class GreedySampler(Sampler):
     Config = GreedyConfig
     resolves_pending = True
-    samples_ahead = True
 
     def probs(self, logits: mx.array) -> mx.array:
         return mx.softmax(logits.astype(mx.float32), axis=-1)
