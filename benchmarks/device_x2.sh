@@ -415,7 +415,17 @@ case "${1:-}" in
     done
     grep -E "^pending" $O/pending.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | pair-sweeps" >&2; exit 2 ;;
+  solo-gap)  # where our plain greedy loses to mlx-lm's (benchmarks/greedy_gap.py: our loop, a
+    # bare loop, each in its own stream or not, one token ahead or not, mlx-lm's generate_step;
+    # 4 prompts x TRIALS (default 3), 128 tokens), per target: native 4-bit, bf16
+    for w in auto bfloat16; do
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(upto 15) / 2 + 1 )) python3 -P benchmarks/greedy_gap.py \
+        --set "target.weights=$w" --trials "${TRIALS:-3}" --json $O/gap-$w.json > $O/gap-$w.log 2>&1 \
+        || ended $? "greedy_gap $w"
+      grep -E "x ours|same tokens" $O/gap-$w.log
+    done
+    ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-gap | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
