@@ -368,7 +368,12 @@ case "${1:-}" in
   solo-e2e)  # issue 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, bf16 through the attention kernel;
     # each target with its own greedy and mlx-lm's stock greedy
-    # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 at 15:12 UTC
+    # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 at 15:12 UTC.
+    # Only on a machine whose kernels were probed (solo-first): the first probes' CUDA compile
+    # (~170 s) left no time for the bench on 2026-12-01 at 06:51 UTC.
+    if [ -z "$(ls -A "$DSPARK_FLOW_KERNEL_CACHE" 2>/dev/null)" ]; then
+      echo "solo-e2e: no kernel verdicts on this machine yet; run solo-first in a call before it"; exit 2
+    fi
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     inv='{kind: kernels, invariant: true}' stock='{kind: reference}'
     variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
