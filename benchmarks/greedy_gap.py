@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dspark_flow import Pipeline
 
-    overrides = [f"stop.1.limit={args.max_tokens}", "stop.0.kind=max_tokens", *args.set]
+    # No EOS stop: every loop makes exactly max_tokens tokens.
+    overrides = [f"stop=[{{kind: max_tokens, limit: {args.max_tokens}}}]", *args.set]
     pipe = Pipeline.from_yaml(REPO / "recipes" / "quickstart.yaml", overrides=overrides)
     pipe.warm_up()
     model, n = pipe.components.model, args.max_tokens
