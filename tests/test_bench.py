@@ -323,3 +323,22 @@ def test_equality_check_catches_a_broken_verifier(embedded, tmp_path):
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["mismatches"] and saved["mismatches"][0]["first_difference"] >= 0
     assert "OUTPUT MISMATCHES" in (tmp_path / "bench.md").read_text()
+
+
+def test_greedy_gap_loops_make_the_same_tokens_as_mlx_lm(tmp_path):
+    """benchmarks/greedy_gap.py times our plain greedy beside bare loops and mlx-lm's own
+    `generate_step`: every loop must commit the same tokens (exit 0 and `same_tokens`), which
+    also checks our loop against mlx-lm's greedy token for token."""
+    out = tmp_path / "gap.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "greedy_gap.py"), "--trials", "1"]
+        + ["--max-tokens", "6", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["same_tokens"] is True
+    assert len(figures["loops"]) == 7 and figures["loops"]["ours"]["x_ours"] == 1.0
+    assert all(loop["tok_s"] > 0 for loop in figures["loops"].values())
