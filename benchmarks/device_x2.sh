@@ -430,7 +430,24 @@ case "${1:-}" in
       grep -E "x ours|same tokens" $O/gap-$w.log
     done
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-gap | pair-sweeps" >&2; exit 2 ;;
+  solo-compile)  # compiled verify layers (verifier option compile_layers), A/B in one process
+    # per target (benchmarks/compile_ab.py: greedy and DSpark at fixed k = CAP (default 5),
+    # option off and on, 4 prompts x TRIALS (default 3), 128 tokens): 4-bit through MLX's stock
+    # path, 4-bit through the invariant kernels, bf16 through MLX's stock path
+    set -- 'verifier={kind: reference}|target.weights=auto' \
+      'verifier={kind: kernels, invariant: true}|target.weights=auto' \
+      'verifier={kind: reference}|target.weights=bfloat16'
+    n=0
+    while [ $# -gt 0 ]; do  # each target an equal share of what the call has left
+      n=$((n + 1)); IFS='|' read -r v w <<< "$1"
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(upto 15) / $# + 1 )) python3 -P benchmarks/compile_ab.py \
+        --set "$v" --set "$w" --cap "{kind: fixed, k: ${CAP:-5}}" --trials "${TRIALS:-3}" \
+        --json $O/compile-$n.json >> $O/compile.log 2>&1 || ended $? "compile_ab $1"
+      shift
+    done
+    grep -E "^compile_layers|tok/s" $O/compile.log
+    ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-gap | solo-compile | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

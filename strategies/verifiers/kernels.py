@@ -20,6 +20,7 @@ backend always) nothing is swapped or wrapped: output = `reference`.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 import time
@@ -34,6 +35,7 @@ from pydantic import Field
 from dspark_flow.kernels.coprefill import coprefill_qmm, row_bucket
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
 from dspark_flow.log import get_logger
+from dspark_flow.models.compiled_layers import COMPILE_LAYERS_HELP, CompiledLayers
 from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
 
 log = get_logger()
@@ -71,6 +73,7 @@ class KernelsConfig(StrategyConfig):
         "speculation reproduces this verifier's own greedy output bit for bit",
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
+    compile_layers: bool = Field(False, description=COMPILE_LAYERS_HELP)
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
     precompile: bool = Field(
         True,
@@ -279,6 +282,7 @@ class KernelVerifier(Verifier):
         self._progress: Any = None  # the probes' progress bar while warming up
         self._not_invariant: list[str] = []  # why a layer shape has no invariant route
         self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
+        self.compiled: CompiledLayers | None = None  # config.compile_layers, after warm-up
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -301,6 +305,9 @@ class KernelVerifier(Verifier):
 
     def restore(self) -> None:
         """Give the swapped layers their own classes back and unwrap the attention."""
+        if self.compiled is not None:
+            self.compiled.restore()
+            self.compiled = None
         for module, cls in self._swapped:
             module.__class__ = cls
         self._swapped.clear()
@@ -321,6 +328,7 @@ class KernelVerifier(Verifier):
         self._max_rows = rows
         try:
             self._warm_up(ctx)
+            self._compile_layers(ctx.model)
         except BaseException:  # leave nothing half-routed; a later warm_up starts afresh
             if self._progress is not None:
                 self._progress.close()
@@ -329,6 +337,22 @@ class KernelVerifier(Verifier):
             self._router = None
             raise
         self._warmed = (id(ctx.model), rows)
+
+    def _compile_layers(self, model: nn.Module) -> None:
+        """Compile the layers once the routes are settled (a trace bakes them in), and trace
+        every verify row count now where precompiling, not in the first requests."""
+        if not self.config.compile_layers:
+            return
+        self.compiled = CompiledLayers(self._max_rows)
+        self.compiled.install(model)
+        if self.config.precompile:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(model)
+            for rows in range(1, self._max_rows + 1):
+                mx.eval(self.forward(model, [1] * rows, cache))
+            if self._router is not None:
+                self._router.calls = self._router.attention_calls = 0
 
     def _rows_wanted(self, ctx: BuildContext) -> int:
         """The largest verify forward to probe and route: the recipe's `max_rows`; in invariant
@@ -690,10 +714,11 @@ class KernelVerifier(Verifier):
 
     def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
-        if self._router is None:
-            return model(ids, cache=cache)[0]
-        token = _ROUTER.set(self._router)
-        try:  # the graph is built here; evaluation later needs no router
-            return model(ids, cache=cache)[0]
-        finally:
-            _ROUTER.reset(token)
+        with self.compiled.scope() if self.compiled else contextlib.nullcontext():
+            if self._router is None:
+                return model(ids, cache=cache)[0]
+            token = _ROUTER.set(self._router)
+            try:  # the graph is built here; evaluation later needs no router
+                return model(ids, cache=cache)[0]
+            finally:
+                _ROUTER.reset(token)

@@ -1,22 +1,44 @@
 """verifier `reference`: the target's own forward pass in plain MLX (the twin every kernel is
-checked against)."""
+checked against), optionally with its decoder layers compiled for verify-sized forwards."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+from pydantic import Field
 
-from dspark_flow.strategy import StrategyConfig, Verifier
+from dspark_flow.kernels.qmm_small_m import MAX_ROWS
+from dspark_flow.models.compiled_layers import COMPILE_LAYERS_HELP, CompiledLayers
+from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
 
 
 class ReferenceConfig(StrategyConfig):
     kind: Literal["reference"] = "reference"
+    compile_layers: bool = Field(False, description=COMPILE_LAYERS_HELP)
 
 
 class ReferenceVerifier(Verifier):
     Config = ReferenceConfig
+    config: ReferenceConfig
+
+    def __init__(self, config: ReferenceConfig | None = None):
+        super().__init__(config)
+        self.compiled: CompiledLayers | None = None
+        self._model_id: int | None = None
+
+    def warm_up(self, ctx: BuildContext) -> None:
+        if not self.config.compile_layers or self._model_id == id(ctx.model):
+            return
+        if self.compiled is not None:  # warmed for another model before
+            self.compiled.restore()
+        self.compiled = CompiledLayers(MAX_ROWS)
+        self.compiled.install(ctx.model)
+        self._model_id = id(ctx.model)
 
     def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
-        return model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
+        ids = mx.array(tokens, dtype=mx.uint32)[None]
+        with self.compiled.scope() if self.compiled else contextlib.nullcontext():
+            return model(ids, cache=cache)[0]
