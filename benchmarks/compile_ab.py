@@ -38,8 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="more recipe overrides")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument(
+        "--prompts",
+        metavar="JSONL",
+        help="prompts instead of the four built in "
+        "(heldout_prompts.py's file: each line's first turn)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the figures here")
     args = p.parse_args(argv)
+    prompts = PROMPTS
+    if args.prompts:
+        rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
+        prompts = [r["turns"][0] if "turns" in r else r.get("prompt") or r["text"] for r in rows]
 
     from dspark_flow import Pipeline
 
@@ -60,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     speed: dict[str, list[float]] = {n: [] for n in names}
     same = True
     for trial in range(args.trials + 1):  # trial 0 warms every shape up, unrecorded
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(prompts):
             shift = (trial + i) % len(names)  # drift hits every arm alike
             tokens = {}
             for name in names[shift:] + names[:shift]:

@@ -342,3 +342,23 @@ def test_greedy_gap_loops_make_the_same_tokens_as_mlx_lm(tmp_path):
     assert figures["same_tokens"] is True
     assert len(figures["loops"]) == 7 and figures["loops"]["ours"]["x_ours"] == 1.0
     assert all(loop["tok_s"] > 0 for loop in figures["loops"].values())
+
+
+def test_compile_ab_runs_four_arms_that_make_the_same_tokens(tmp_path):
+    """benchmarks/compile_ab.py times greedy and DSpark with `compile_layers` off and on, on
+    held-out-style prompts from a file: all four must commit the same tokens (exit 0)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Name three colors."], "category": "chat"}) + "\n")
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compile_ab.py"), "--trials", "1"]
+        + ["--max-tokens", "8", "--prompts", str(prompts), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["same_tokens"] is True and figures["runs"] == 1
+    assert set(figures["tok_s"]) == {"greedy off", "greedy on", "spec off", "spec on"}
+    assert all(v > 0 for v in figures["tok_s"].values())

@@ -522,6 +522,57 @@ def test_kernels_verifier_routes_attention(monkeypatch, tiny_quantized):
     assert llama.scaled_dot_product_attention is original
 
 
+def test_compiled_layers_keep_the_routes_of_the_kernels_verifier(monkeypatch, tiny_quantized):
+    """With `compile_layers` the routed matmuls are traced into the compiled layers (the kernel
+    runs at trace time, once per module and row count) and the attention, left outside the
+    compiled parts, still reaches its route on every forward; output = greedy's."""
+    from mlx_lm.models import llama
+
+    original = llama.scaled_dot_product_attention
+
+    def timer(kernel, twin, inputs, **_):  # both "win" for 2..4 rows
+        rows = inputs[0].shape[2] if isinstance(inputs[3], float) else inputs[0].shape[0]
+        return (1.0, 2.0) if 2 <= rows <= 4 else (2.0, 1.0)
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    traced, seen = [], []
+
+    def kernel(*args):
+        if args[1].shape[0] < 1000:  # the layers' matmuls; the tied head (49,152 rows) is not
+            traced.append(args[0].size // args[0].shape[-1])  # in a compiled part
+        return q.qmm_small_m_emulated(*args)
+
+    def attention(q_, k_, v_, scale, mask=None):
+        seen.append(q_.shape[2])
+        return a.sdpa_small_q_emulated(q_, k_, v_, scale, mask)
+
+    verifier = KernelVerifier(
+        KernelsConfig(max_rows=4, compile_layers=True), kernel=kernel, attention_kernel=attention
+    )
+    recipe = _recipe({"kind": "lookup"}, limit=16)
+    spec = Pipeline.from_dict(recipe, target=tiny_quantized, verifier=verifier).warm_up()
+    try:
+        assert verifier.compiled is not None and verifier.compiled.mlp_layers == 1
+        attn = tiny_quantized[0].model.layers[0].self_attn
+        assert type(attn).__name__ == "CompiledAttention"
+        assert type(attn.q_proj).__name__ == "RoutedQuantizedLinear"
+        greedy = Pipeline.from_dict(_recipe({"kind": "none"}, limit=16), target=tiny_quantized)
+        prompt = [504, 2365, 6354, 504, 2365, 6354, 504, 2365]
+        want = greedy.generate(prompt).token_ids
+        verifier.compiled.reset()  # trace again while decoding, to watch what a trace runs
+        traced.clear()
+        assert spec.generate(prompt).token_ids == want
+        assert traced and set(traced) <= {2, 3, 4}  # the routed row counts, while tracing
+        traced.clear()
+        seen.clear()
+        assert spec.generate(prompt).token_ids == want
+        assert not traced  # replayed from the traces: the kernel is in them, not called again
+        assert seen and all(2 <= rows <= 4 for rows in seen)  # attention: routed per call
+    finally:
+        verifier.restore()
+    assert type(attn).__name__ == "Attention" and llama.scaled_dot_product_attention is original
+
+
 def _matmul_routes(verifier: KernelVerifier) -> set[tuple[str, ...]]:
     """The distinct routes of the verifier's routed layers (what rows 1..max_rows run)."""
     return {tuple(names) for names in verifier.matmul_routes().values()}

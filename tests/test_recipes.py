@@ -39,7 +39,9 @@ def test_tool_defaults_fill_only_slots_the_user_left_out():
 
     recipe = loads_recipe("version: 1\n", defaults=TOOL_DEFAULTS)
     assert recipe.verifier.kind == "kernels" and recipe.verifier.invariant
-    assert loads_recipe("version: 1\n").verifier.kind == "reference"  # the library's default
+    assert recipe.verifier.compile_layers
+    library = loads_recipe("version: 1\n").verifier  # the library's default
+    assert library.kind == "reference" and not library.compile_layers
     mine = loads_recipe("verifier: {kind: reference}\n", defaults=TOOL_DEFAULTS)
     assert mine.verifier.kind == "reference"
     for override in ["verifier.kind=reference", "verifier={kind: reference}"]:

@@ -30,8 +30,12 @@ SLOT_DEFAULTS: dict[str, Any] = {
 # slot out; the library keeps SLOT_DEFAULTS. The kernels verifier takes a kernel only where its
 # probe on this machine found it correct (and, invariant, keeps every row count on the same
 # arithmetic so that speculation reproduces greedy bit for bit); where no kernel runs (the CPU
-# always) it is the reference verifier.
-TOOL_DEFAULTS: dict[str, Any] = {"verifier": {"kind": "kernels", "invariant": True}}
+# always) it is the reference verifier. `compile_layers` compiles each layer's MLP and the
+# attention's stateless parts for verify-sized forwards (same values, fewer host-side operations:
+# docs/benchmarks.md §4, "compiled verify layers").
+TOOL_DEFAULTS: dict[str, Any] = {
+    "verifier": {"kind": "kernels", "invariant": True, "compile_layers": True}
+}
 
 
 class _Strict(BaseModel):

@@ -339,13 +339,14 @@ class KernelVerifier(Verifier):
         self._warmed = (id(ctx.model), rows)
 
     def _compile_layers(self, model: nn.Module) -> None:
-        """Compile the layers once the routes are settled (a trace bakes them in), and trace
-        every verify row count now where precompiling, not in the first requests."""
+        """Compile the layers once the routes are settled (a trace bakes them in), and on a GPU
+        (where the fused kernels compile on first use) trace every verify row count now, not in
+        the first requests; a CPU traces each row count when decoding first meets it."""
         if not self.config.compile_layers:
             return
         self.compiled = CompiledLayers(self._max_rows)
         self.compiled.install(model)
-        if self.config.precompile:
+        if self.config.precompile and mx.default_device() != mx.cpu:
             from mlx_lm.models.cache import make_prompt_cache
 
             cache = make_prompt_cache(model)

@@ -1,0 +1,118 @@
+"""Compiled verify layers (verifier option `compile_layers`): the same values as the stock
+forward, only inside the verifier's scope, undone by `restore`, and lossless end to end."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from dspark_flow.models.compiled_layers import CompiledLayers, _attention_supported
+from tests.tiny import tiny_model
+
+CONTEXT = [(17 * i + 3) % 4000 + 100 for i in range(40)]
+
+
+def _forwards(model, rows_list, compiled=None):
+    """Logits of a forward of each row count after the same context (the cache trimmed back)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([CONTEXT]), cache=cache))
+    out = []
+    for rows in rows_list:
+        ids = mx.array([[(31 * r + 7) % 4000 + 50 for r in range(rows)]])
+        if compiled is None:
+            logits = model(ids, cache=cache)
+        else:
+            with compiled.scope():
+                logits = model(ids, cache=cache)
+        mx.eval(logits)
+        out.append(logits)
+        for c in cache:
+            c.trim(rows)
+    return out
+
+
+def test_compiled_layers_compute_the_stock_values_bit_for_bit(embedded):
+    model, _ = embedded
+    rows = [1, 2, 5, 8, 16, 17]  # 17: past max_rows, the stock path
+    stock = _forwards(model, rows)
+    compiled = CompiledLayers(max_rows=16)
+    try:
+        n_layers = len(model.model.layers)
+        assert compiled.install(model) == 2 * n_layers
+        assert (compiled.attention_layers, compiled.mlp_layers) == (n_layers, n_layers)
+        mine = _forwards(model, rows, compiled)
+        # compiled functions for every attention and MLP (each traced per row count)
+        assert len(compiled._fns) == 2 * n_layers
+    finally:
+        compiled.restore()
+    for r, a, b in zip(rows, stock, mine, strict=True):
+        assert mx.array_equal(a, b).item(), f"{r} rows differ"
+
+
+def test_the_compiled_path_runs_only_inside_the_scope_and_restore_undoes_the_swap(embedded):
+    model, _ = embedded
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    classes = (type(attn), type(mlp))
+    first, second = CompiledLayers(max_rows=16), CompiledLayers(max_rows=16)
+    try:
+        first.install(model)
+        assert type(attn).__name__.startswith("Compiled") and isinstance(attn, classes[0])
+        second.install(model)  # a second verifier on the same model: no second swap
+        assert type(attn).__mro__[1] is classes[0]
+        _forwards(model, [1, 3])  # outside any scope: nothing traced
+        assert not first._fns and not second._fns
+        _forwards(model, [3], second)
+        assert second._fns and not first._fns
+    finally:
+        second.restore()
+        first.restore()
+    assert (type(attn), type(mlp)) == classes
+
+
+def test_unsupported_attention_keeps_the_stock_path():
+    """Only the llama-family attention with a plain rotary embedding is reproduced; anything
+    else (here: a qwen3-style attention with q/k norms) keeps its own forward, its MLP is still
+    compiled, and the values stay the stock ones."""
+    import mlx.nn as nn
+
+    model = tiny_model(seed=3)
+    attn = model.model.layers[0].self_attn
+    assert _attention_supported(attn)
+    attn.q_norm = nn.RMSNorm(16)  # not called by llama's forward: only makes it look unsupported
+    assert not _attention_supported(attn)
+    stock = _forwards(model, [1, 4])
+    compiled = CompiledLayers(max_rows=16)
+    try:
+        assert compiled.install(model) == 1 and compiled.mlp_layers == 1
+        mine = _forwards(model, [1, 4], compiled)
+    finally:
+        compiled.restore()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(stock, mine, strict=True))
+
+
+@pytest.mark.parametrize("verifier", ["reference", "kernels"])
+def test_speculation_with_compiled_layers_reproduces_greedy(embedded, verifier):
+    """The shipped DSpark drafter reads the target's hidden states through taps on its decoder
+    layers: they must still record with the layers' insides compiled."""
+    from dspark_flow.pipeline import Pipeline
+
+    v = {"kind": verifier, "compile_layers": True}
+    greedy = Pipeline.from_dict({"verifier": {"kind": "reference"}}, target=embedded).warm_up()
+    spec = Pipeline.from_dict(
+        {
+            "verifier": v,
+            "drafter": {"kind": "dspark", "checkpoint": "builtin:smollm2-135m-dspark"},
+            "draft_cap": {"kind": "fixed", "k": 4},
+        },
+        target=embedded,
+    ).warm_up()
+    try:
+        assert spec.verifier.compiled is not None and spec.verifier.compiled.attention_layers
+        for prompt in ["Write a Python function that reverses a list.", "What is 12 * 13?"]:
+            want = greedy.generate(prompt, max_new_tokens=40)
+            got = spec.generate(prompt, max_new_tokens=40)
+            assert got.token_ids == want.token_ids
+            assert got.mean_accept_len > 1.0  # the drafter's features arrived
+    finally:
+        spec.verifier.compiled.restore()
