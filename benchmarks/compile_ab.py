@@ -20,15 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
+from dspark_flow.bench.prompts import AB_PROMPTS, load_prompts
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
-    "in May. How many clips did Natalia sell altogether in April and May?",
-    "Describe the water cycle in three sentences.",
-    "Explain what a hash table is to a new programmer.",
-]
+PROMPTS = [*AB_PROMPTS, "Explain what a hash table is to a new programmer."]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,15 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prompts",
         metavar="JSONL",
-        help="prompts instead of the four built in "
-        "(heldout_prompts.py's file: each line's first turn)",
+        help="prompts instead of the four built in (a bench prompt file, e.g. "
+        "heldout_prompts.py's: each record's first turn)",
     )
     p.add_argument("--json", metavar="FILE", help="also write the figures here")
     args = p.parse_args(argv)
-    prompts = PROMPTS
-    if args.prompts:
-        rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
-        prompts = [r["turns"][0] if "turns" in r else r.get("prompt") or r["text"] for r in rows]
+    prompts = [bp.text for bp in load_prompts([args.prompts])] if args.prompts else PROMPTS
 
     from dspark_flow import Pipeline
 

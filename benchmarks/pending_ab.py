@@ -18,15 +18,10 @@ import sys
 from pathlib import Path
 
 import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
+from dspark_flow.bench.prompts import AB_PROMPTS
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
-    "in May. How many clips did Natalia sell altogether in April and May?",
-    "Describe the water cycle in three sentences.",
-    "def fibonacci(n):",
-]
+PROMPTS = [*AB_PROMPTS, "def fibonacci(n):"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,3 +116,17 @@ def test_speculation_with_compiled_layers_reproduces_greedy(embedded, verifier):
             assert got.mean_accept_len > 1.0  # the drafter's features arrived
     finally:
         spec.verifier.compiled.restore()
+
+
+def test_compiled_layers_key_their_own_cost_curves():
+    """Calibrated curves time the verifier's forward: compiled layers cost what they cost, so
+    they are keyed apart from the plain forward (and the plain forward's key is unchanged)."""
+    from dspark_flow.calibration.controller import config_identity
+    from dspark_flow.strategies.verifiers.kernels import KernelsConfig
+    from dspark_flow.strategies.verifiers.reference import ReferenceConfig
+
+    assert config_identity(None) == config_identity(ReferenceConfig()) == "reference"
+    compiled = config_identity(ReferenceConfig(compile_layers=True))
+    assert compiled != "reference" and '"compile_layers": true' in compiled
+    on, off = (config_identity(KernelsConfig(compile_layers=c)) for c in (True, False))
+    assert on != off

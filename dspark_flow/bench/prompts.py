@@ -17,6 +17,15 @@ from dspark_flow.errors import DsparkFlowError
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
+# The quick A/B scripts' shared prompts (benchmarks/pending_ab.py, greedy_gap.py, compile_ab.py;
+# each adds a fourth of its own): code, math (GSM8K train line 1), chat.
+AB_PROMPTS = (
+    "Write a Python function that checks whether a number is prime.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+    "in May. How many clips did Natalia sell altogether in April and May?",
+    "Describe the water cycle in three sentences.",
+)
+
 
 @dataclass(frozen=True)
 class BenchPrompt:

@@ -466,9 +466,14 @@ class CurveCap(DraftCap):
 
 def verifier_identity(verifier: Any) -> str:
     """What the curves' key records of the verifier: its kind and settings (a kernel verifier
-    in invariant mode costs what it costs, not what `reference` does)."""
-    config = getattr(verifier, "config", None)
-    if config is None or config.kind == "reference":
+    in invariant mode, or compiled layers, cost what they cost, not what the plain forward
+    does); "reference" for the plain forward."""
+    return config_identity(getattr(verifier, "config", None))
+
+
+def config_identity(config: Any) -> str:
+    """`verifier_identity` from a verifier's config (None: the plain forward)."""
+    if config is None or (config.kind == "reference" and not getattr(config, "compile_layers", 0)):
         return "reference"
     settings = config.model_dump(mode="json", exclude={"reprobe"})  # re-probing costs nothing
     return json.dumps(settings, sort_keys=True)
@@ -480,7 +485,7 @@ def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
     verifier = ctx.verifier
     if verifier is None:
         config = getattr(ctx.recipe, "verifier", None)
-        if config is None or config.kind == "reference":
+        if config_identity(config) == "reference":
             return None, "reference"
         from dspark_flow import registry
 
