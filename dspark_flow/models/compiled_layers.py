@@ -82,8 +82,8 @@ def _attention_post(attn: Any, out: mx.array) -> mx.array:
 def _compiled_attention_call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> Any:
     scope = _ACTIVE.get()
     base = _base(type(self))
-    if scope is None or cache is None or x.shape[1] > scope.max_rows or x.ndim != 3:
-        return base.__call__(self, x, mask, cache)
+    if scope is None or x.ndim != 3 or x.shape[1] > scope.max_rows or not hasattr(cache, "offset"):
+        return base.__call__(self, x, mask, cache)  # no cache (or one without an offset): stock
     pre, post = scope.attention_fns(self)
     queries, keys, values = pre(x, mx.array(cache.offset, dtype=mx.int32))
     keys, values = cache.update_and_fetch(keys, values)
