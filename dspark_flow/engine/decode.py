@@ -68,11 +68,15 @@ def _prefill(c: Components, prompt_ids: list[int]) -> tuple[list[Any], mx.array,
         cached = len(prompt_ids) - 1
     forwards = 0
     rest = prompt_ids[cached:]
-    while len(rest) > PREFILL_CHUNK:
-        c.verifier.forward(c.model, rest[:PREFILL_CHUNK], cache)
-        c.drafter.after_forward(PREFILL_CHUNK)
+    # As mlx-lm does: every prompt token but the last goes in with only the cache evaluated, so
+    # the output head runs for one row instead of up to PREFILL_CHUNK rows (49,152 logits a row
+    # for the embedded model: time to first token on CPUs, ~100 MB of peak memory at 512 rows).
+    while len(rest) > 1:
+        chunk = rest[: min(PREFILL_CHUNK, len(rest) - 1)]
+        c.verifier.forward(c.model, chunk, cache)
+        c.drafter.after_forward(len(chunk))
         mx.eval([entry.state for entry in cache])
-        rest = rest[PREFILL_CHUNK:]
+        rest = rest[len(chunk) :]
         forwards += 1
     logits = c.verifier.forward(c.model, rest, cache)[-1]
     c.drafter.after_forward(len(rest))
