@@ -473,7 +473,9 @@ def verifier_identity(verifier: Any) -> str:
 
 def config_identity(config: Any) -> str:
     """`verifier_identity` from a verifier's config (None: the plain forward)."""
-    if config is None or (config.kind == "reference" and not getattr(config, "compile_layers", 0)):
+    if config is None or (
+        config.kind == "reference" and not getattr(config, "compile_layers", False)
+    ):
         return "reference"
     settings = config.model_dump(mode="json", exclude={"reprobe"})  # re-probing costs nothing
     return json.dumps(settings, sort_keys=True)
