@@ -48,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     # No EOS stop: every run makes exactly max_tokens tokens.
     base = [f"draft_cap={args.cap}", f"stop=[{{kind: max_tokens, limit: {args.max_tokens}}}]"]
     base += args.set
-    first = Pipeline.from_yaml(args.recipe, overrides=base).warm_up()
-    target = (first.components.model, first.components.tokenizer)
     arms: dict[str, Any] = {}
+    target = None  # loaded by the first arm, shared by the others
     for mode in ("greedy", "spec"):
         for on in (False, True):
             extra = [f"verifier.compile_layers={str(on).lower()}"]
@@ -58,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra.append("drafter={kind: none}")
             pipe = Pipeline.from_yaml(args.recipe, overrides=base + extra, target=target)
             arms[f"{mode} {'on' if on else 'off'}"] = pipe.warm_up()
+            target = (pipe.components.model, pipe.components.tokenizer)
     names = list(arms)
     speed: dict[str, list[float]] = {n: [] for n in names}
     same = True

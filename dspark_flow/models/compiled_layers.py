@@ -15,8 +15,9 @@ module tree, parameter names and `isinstance` checks stay as they were, and feat
 decoder layers keep working). The compiled path is taken only inside `CompiledLayers.scope()`,
 which a verifier enters around its own forward; anything else running the same model (mlx-lm's
 own generation, a drafter, a prefill longer than `max_rows`) gets the stock path. A trace bakes
-in what the layers did when it was made (the kernels verifier's routes included), so a verifier
-calls `reset()` whenever its routes change.
+in what the layers did when it was made (the kernels verifier's routes included), so the
+kernels verifier compiles only after its routes are settled, and a new warm-up restores the
+layers and compiles afresh.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class CompiledLayers:
         self.attention_layers = self.mlp_layers = 0
 
     def reset(self) -> None:
-        """Drop every trace (the layers' routes changed: the next call traces again)."""
+        """Drop every trace: the next call in scope traces again."""
         self._fns.clear()
 
     @contextlib.contextmanager

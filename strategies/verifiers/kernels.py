@@ -329,6 +329,10 @@ class KernelVerifier(Verifier):
         try:
             self._warm_up(ctx)
             self._compile_layers(ctx.model)
+            # After the layers are compiled: their traces are what decoding will replay.
+            gpu_traces = self.compiled is not None and mx.default_device() != mx.cpu
+            if self.config.precompile and (self._router is not None or gpu_traces):
+                self._compile_row_counts(ctx.model)
         except BaseException:  # leave nothing half-routed; a later warm_up starts afresh
             if self._progress is not None:
                 self._progress.close()
@@ -339,21 +343,10 @@ class KernelVerifier(Verifier):
         self._warmed = (id(ctx.model), rows)
 
     def _compile_layers(self, model: nn.Module) -> None:
-        """Compile the layers once the routes are settled (a trace bakes them in), and on a GPU
-        (where the fused kernels compile on first use) trace every verify row count now, not in
-        the first requests; a CPU traces each row count when decoding first meets it."""
-        if not self.config.compile_layers:
-            return
-        self.compiled = CompiledLayers(self._max_rows)
-        self.compiled.install(model)
-        if self.config.precompile and mx.default_device() != mx.cpu:
-            from mlx_lm.models.cache import make_prompt_cache
-
-            cache = make_prompt_cache(model)
-            for rows in range(1, self._max_rows + 1):
-                mx.eval(self.forward(model, [1] * rows, cache))
-            if self._router is not None:
-                self._router.calls = self._router.attention_calls = 0
+        """Compile the layers once the routes are settled (a trace bakes them in)."""
+        if self.config.compile_layers:
+            self.compiled = CompiledLayers(self._max_rows)
+            self.compiled.install(model)
 
     def _rows_wanted(self, ctx: BuildContext) -> int:
         """The largest verify forward to probe and route: the recipe's `max_rows`; in invariant
@@ -439,8 +432,6 @@ class KernelVerifier(Verifier):
         self._swapped = keep
         if router.routes or router.attention is not None:
             self._router = router
-            if cfg.precompile:
-                self._compile_row_counts(ctx.model, router)
             rows_on = sorted({r for rt in router.routes.values() for r in rt.rows_on()})
             attention_on = {
                 bucket: [r for r, fn in enumerate(fns) if fn is not None]
@@ -695,19 +686,21 @@ class KernelVerifier(Verifier):
         """Attention calls that went through the kernel so far."""
         return self._router.attention_calls if self._router is not None else 0
 
-    def _compile_row_counts(self, model: nn.Module, router: _Router) -> None:
+    def _compile_row_counts(self, model: nn.Module) -> None:
         """One forward of each row count 1..max_rows on a throwaway cache. On MLX's CUDA
         backend the first use of a verify shape compiles kernels (the kernels' row buckets,
-        MLX's own ops): measured there as first runs up to 56x slower than later ones
-        (benchmarks §3), a cost the first requests would otherwise pay. The probes' cached
-        verdicts skip the compiling probe runs, so nothing else warms these shapes."""
+        MLX's own ops, the compiled layers' fused kernels): measured there as first runs up to
+        56x slower than later ones (benchmarks §3), a cost the first requests would otherwise
+        pay. The probes' cached verdicts skip the compiling probe runs, so nothing else warms
+        these shapes; a CPU with no routes traces the compiled layers as decoding meets them."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
         t0 = time.perf_counter()
         for rows in range(1, self._max_rows + 1):
             mx.eval(self.forward(model, [1] * rows, cache))
-        router.calls = router.attention_calls = 0  # the counters report decoding, not this
+        if self._router is not None:  # the counters report decoding, not this
+            self._router.calls = self._router.attention_calls = 0
         log.info("kernels verifier: verify shapes compiled", rows=self._max_rows,
                  seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
 
