@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""A/B of compiled verify layers (verifier option `compile_layers`): plain greedy and speculative
-decoding, each with the option off and on, on one loaded target, interleaved in one process.
+"""A/B of a boolean recipe option, by default compiled verify layers (`verifier.compile_layers`):
+plain greedy and speculative decoding, each with the option off and on, on one loaded target,
+interleaved in one process.
 
     python benchmarks/compile_ab.py --cap "{kind: fixed, k: 5}"
     python3 -P benchmarks/compile_ab.py --set verifier="{kind: kernels, invariant: true}"  # GPU
+    python3 -P benchmarks/compile_ab.py --option verifier.prefer_stock \
+        --set verifier="{kind: kernels, invariant: true, compile_layers: true}"  # GPU
 
 Prints decode tok/s medians of the four pipelines, the median per-run ratio on / off for greedy
 and for speculation, and checks that all four committed the same tokens (the option must not
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default=str(REPO / "recipes" / "dspark.yaml"))
     p.add_argument("--cap", default="{kind: fixed, k: 5}", help="the draft_cap section")
+    p.add_argument("--option", default="verifier.compile_layers", help="the boolean to A/B")
     p.add_argument("--set", action="append", default=[], help="more recipe overrides")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trials", type=int, default=3)
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     target = None  # loaded by the first arm, shared by the others
     for mode in ("greedy", "spec"):
         for on in (False, True):
-            extra = [f"verifier.compile_layers={str(on).lower()}"]
+            extra = [f"{args.option}={str(on).lower()}"]
             if mode == "greedy":
                 extra.append("drafter={kind: none}")
             pipe = Pipeline.from_yaml(args.recipe, overrides=base + extra, target=target)
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x / y for x, y in zip(speed[a], speed[b], strict=True))
 
     figures = {
+        "option": args.option,
         "cap": args.cap,
         "overrides": args.set,
         "tok_s": {n: statistics.median(v) for n, v in speed.items()},
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         print(f"{n:12s} {figures['tok_s'][n]:8.1f} tok/s")
     print(
-        f"compile_layers on/off (median per-run ratio over {figures['runs']} runs): greedy "
+        f"{args.option} on/off (median per-run ratio over {figures['runs']} runs): greedy "
         f"{figures['greedy_on_off']:.3f}, spec {figures['spec_on_off']:.3f}; spec/greedy off "
         f"{figures['spec_greedy_off']:.3f}, on {figures['spec_greedy_on']:.3f}; "
         f"same tokens: {same}"

@@ -368,6 +368,7 @@ case "${1:-}" in
   solo-e2e)  # issues 5 and 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, both with compiled layers (so the
     # two differ in the kernels only); each target with its own greedy and mlx-lm's stock greedy.
+    # PREFER_STOCK=1 adds `auto` through invariant routes with `prefer_stock`.
     # BF16=1 adds the bf16 target (its kernels are probed here unless solo-first had
     # KTARGETS=all: ~60-85 s). The six-recipe version (bf16 included, layers not compiled) was
     # cut at 506 s on 2026-12-01 at ~10:10 UTC with an empty log: no mode had finished its warm-up.
@@ -382,6 +383,10 @@ case "${1:-}" in
     variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
     variant dspark stock-k2 '{kind: fixed, k: 2}' auto "$stock"; variant dspark stock-full '{kind: full_block}' auto "$stock"
     set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-full}.yaml
+    if [ -n "${PREFER_STOCK:-}" ]; then  # the invariant routes that keep MLX's own kernels
+      variant dspark kernels-auto-stock '{kind: auto}' auto '{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
+      set -- "$@" /tmp/kernels-auto-stock.yaml
+    fi
     if [ -n "${BF16:-}" ]; then
       variant dspark bf16-full '{kind: full_block}' auto '{kind: kernels, compile_layers: true}' bfloat16
       set -- "$@" /tmp/bf16-full.yaml

@@ -684,6 +684,32 @@ def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
 
 
 @cpu_only
+def test_prefer_stock_keeps_mlx_own_routes_where_the_kernels_are_cheaper(
+    monkeypatch, tiny_quantized
+):
+    # The same timings as above, with `prefer_stock`: MLX's own matmul (its CPU span covers
+    # 1..4 rows, measured) and its own attention within a stubbed span of 4 take every row
+    # count, so a forward never calls a kernel, and speculation still equals greedy.
+    def timer(kernel, twin, inputs, **_):
+        return (2.0, 1.0) if inputs[0].shape[0] == 1 else (0.5, 3.0)
+
+    monkeypatch.setattr(probe, "time_pair", timer)
+    span_four = probe.Verdict(True, "query rows 1..4", extra={"span": 4}, correct=True)
+    monkeypatch.setattr(probe, "probe_sdpa_stock_span", lambda *a, **k: span_four)
+    verifier = _emulated_verifier(max_rows=4, invariant=True, prefer_stock=True)
+    spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
+    spec.warm_up()
+    assert verifier.matmul_routes() == {}  # every row count stock: no layer needs a route
+    attention = verifier._router.attention if verifier._router is not None else None
+    assert attention is None or not any(any(fns) for fns in attention.by_rows.values())
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
+    prompt = [504, 2365, 6354, 504, 2365]
+    assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
+    assert verifier.kernel_calls == 0 and verifier.attention_calls == 0
+    verifier.restore()
+
+
+@cpu_only
 def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, tiny_quantized):
     # Route (b): MLX's own attention for the query counts it computes as one (its span: one
     # or two here, stubbed), a vector-rows kernel past them where it reproduced MLX's one-row

@@ -72,6 +72,13 @@ class KernelsConfig(StrategyConfig):
         "a token's logits then do not depend on how many tokens one forward holds, so "
         "speculation reproduces this verifier's own greedy output bit for bit",
     )
+    prefer_stock: bool = Field(
+        False,
+        description="invariant mode: wherever MLX's own kernels (within their invariant span) "
+        "and bitwise twins of them past it cover every row count, take that route even where "
+        "the probes timed our kernel cheaper per token: a one-token forward is then MLX's "
+        "stock forward",
+    )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
     compile_layers: bool = Field(False, description=COMPILE_LAYERS_HELP)
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
@@ -475,7 +482,8 @@ class KernelVerifier(Verifier):
         (b) MLX's own matmul for rows 1..span, which it computes as it computes one row
             (measured: `probe_stock_span`), and past the span either `qmv_rows`, where it
             reproduced MLX's one-row results bit for bit, or MLX's matmul in chunks of `span`
-            rows. On a tie the route with less custom code wins."""
+            rows. On a tie the route with less custom code wins; with `prefer_stock`, (a) only
+            where (b) has no route."""
         from dspark_flow.kernels.probe import dtype_name, probe_stock_span
 
         n, k, bits, gs, x_dtype, s_dtype = shape
@@ -493,7 +501,7 @@ class KernelVerifier(Verifier):
                 candidates.append(
                     (_per_token(stock + costs), [None] * (span + 1) + [fn] * (top - span))
                 )
-        if all(v.correct for v in verdicts):
+        if all(v.correct for v in verdicts) and not (self.config.prefer_stock and candidates):
             candidates.append(
                 (_per_token([v.kernel_ms for v in verdicts]), [None] + [kernel] * top)
             )
@@ -557,7 +565,7 @@ class KernelVerifier(Verifier):
         of (a) `sdpa_small_q` for every query count, where it is correct for all, and (b) MLX's
         own attention for the query counts it computes as one (its probed span, at least one)
         and `sdpa_vector_rows` past them, where it reproduced MLX's one-row results bit for bit
-        in every bucket."""
+        in every bucket (with `prefer_stock`, (a) only where (b) has no route)."""
         from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
 
@@ -585,7 +593,9 @@ class KernelVerifier(Verifier):
         rows_route = self._vector_rows_route(shape, verdicts, store)
         if rows_route is not None:
             candidates.append(rows_route)
-        if all(v.correct for vs in verdicts.values() for v in vs):
+        if all(v.correct for vs in verdicts.values() for v in vs) and not (
+            self.config.prefer_stock and candidates
+        ):
             cost = sum(_per_token([v.kernel_ms for v in vs]) for vs in verdicts.values())
             candidates.append((cost, {b: [None] + [kernel] * top for b in verdicts}))
         if not candidates:
