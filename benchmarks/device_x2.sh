@@ -134,6 +134,7 @@ ended() {  # ended STATUS NAME, after a step's command failed: why, in one line
 bench_run() {  # bench_run TAG GPU ARGS...: `dspark-flow bench ARGS` on the held-out prompts, 128
   # tokens, one warm-up pass; log, bench.md and bench.json into $O as bench-TAG.*
   local tag=$1 gpu=$2; shift 2
+  rm -rf /tmp/bench-$tag  # a cut run must not leave the last call's table to be copied
   CUDA_VISIBLE_DEVICES=$gpu timeout $(upto 15) python3 -P -m dspark_flow.cli.main bench "$@" \
     --prompts /tmp/heldout.jsonl --warmup-trials 1 --max-tokens 128 --no-verify-cost --no-plots \
     --out /tmp/bench-$tag > $O/bench-$tag.log 2>&1 || ended $? "bench $tag"  # progress lines kept: a cut run shows where
@@ -368,7 +369,7 @@ case "${1:-}" in
   solo-e2e)  # issues 5 and 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, both with compiled layers (so the
     # two differ in the kernels only); each target with its own greedy and mlx-lm's stock greedy.
-    # PREFER_STOCK=1 adds `auto` through invariant routes with `prefer_stock`.
+    # LEAN=1 drops the two full-block recipes. PREFER_STOCK=1 adds `auto` through invariant routes with `prefer_stock`.
     # BF16=1 adds the bf16 target (its kernels are probed here unless solo-first had
     # KTARGETS=all: ~60-85 s). The six-recipe version (bf16 included, layers not compiled) was
     # cut at 506 s on 2026-12-01 at ~10:10 UTC with an empty log: no mode had finished its warm-up.
@@ -383,6 +384,7 @@ case "${1:-}" in
     variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
     variant dspark stock-k2 '{kind: fixed, k: 2}' auto "$stock"; variant dspark stock-full '{kind: full_block}' auto "$stock"
     set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-full}.yaml
+    [ -z "${LEAN:-}" ] || set -- /tmp/{kernels-auto,stock-k2}.yaml  # each path at its best cap only
     if [ -n "${PREFER_STOCK:-}" ]; then  # the invariant routes that keep MLX's own kernels
       variant dspark kernels-auto-stock '{kind: auto}' auto '{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
       set -- "$@" /tmp/kernels-auto-stock.yaml
@@ -398,7 +400,10 @@ case "${1:-}" in
     # prompts on 2026-11-30, after a 100-130 s warm-up pass). One trial could not resolve 5%
     # there: DRAFTERS=dspark gives one drafter the whole call. STICKY=0.05 adds `auto` with that
     # switch_margin beside the plain one (benchmarks §3: does changing shapes cost on CUDA?).
-    v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 3)
+    # VERIFIER replaces the verifier (default: the CLI's stack, TOOL_DEFAULTS).
+    v='{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
+    [ -z "${VERIFIER:-}" ] || v=$VERIFIER
+    held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     set -- ${DRAFTERS:-dspark dflash}
     while [ $# -gt 0 ]; do
@@ -409,7 +414,10 @@ case "${1:-}" in
   pair-sweeps)  # issue 6 on a two-GPU lease: DSpark on GPU 0 and DFlash on GPU 1 at the same time,
     # each its own whole call (as solo-sweeps with one drafter each); a second call reuses the
     # curves and verdicts left on the warm machine and fits more trials
-    v='{kind: kernels, invariant: true}' held=(--prompts /tmp/heldout.jsonl --per-category 3)
+    # VERIFIER replaces the verifier (default: the CLI's stack, TOOL_DEFAULTS).
+    v='{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
+    [ -z "${VERIFIER:-}" ] || v=$VERIFIER
+    held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     rm -rf /tmp/dc-dspark /tmp/dc-dflash
     SWEEP_GPU=0 sweep dspark "${TRIALS:-10}" $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 &

@@ -676,7 +676,7 @@ def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
         return (2.0, 1.0) if inputs[0].shape[0] == 1 else (0.5, 3.0)
 
     monkeypatch.setattr(probe, "time_pair", timer)
-    verifier = _emulated_verifier(max_rows=4, invariant=True)
+    verifier = _emulated_verifier(max_rows=4, invariant=True, prefer_stock=False)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
     assert _matmul_routes(verifier) == {("qmm_small_m_emulated",) * 4}
@@ -687,7 +687,7 @@ def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
 def test_prefer_stock_keeps_mlx_own_routes_where_the_kernels_are_cheaper(
     monkeypatch, tiny_quantized
 ):
-    # The same timings as above, with `prefer_stock`: MLX's own matmul (its CPU span covers
+    # The same timings as above, with `prefer_stock` (the default): MLX's own matmul (its CPU span covers
     # 1..4 rows, measured) and its own attention within a stubbed span of 4 take every row
     # count, so a forward never calls a kernel, and speculation still equals greedy.
     def timer(kernel, twin, inputs, **_):
@@ -882,13 +882,14 @@ def test_failed_warm_up_leaves_nothing_routed_and_can_be_retried(monkeypatch, ti
 def test_invariant_mode_holds_for_plain_greedy_too(monkeypatch, tiny_quantized):
     # Plain greedy through an invariant verifier computes what its speculation computes, so its
     # one-token forwards take the kernel where the route chosen over all rows is the kernel's,
-    # although the kernel is the slower one for one row.
+    # although the kernel is the slower one for one row (the probe-cost choice,
+    # `prefer_stock: false`).
     def timer(kernel, twin, inputs, **_):
         rows = inputs[0].shape[0] if inputs[0].ndim == 2 else inputs[0].shape[2]  # x or q
         return (2.0, 1.0) if rows == 1 else (0.5, 3.0)
 
     monkeypatch.setattr(probe, "time_pair", timer)
-    verifier = _emulated_verifier(max_rows=2, invariant=True)
+    verifier = _emulated_verifier(max_rows=2, invariant=True, prefer_stock=False)
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized, verifier=verifier)
     greedy.generate([504, 2365, 6354])
     assert verifier.kernel_calls > 0 and verifier.attention_calls > 0
