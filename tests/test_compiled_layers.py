@@ -130,3 +130,77 @@ def test_compiled_layers_key_their_own_cost_curves():
     assert compiled != "reference" and '"compile_layers": true' in compiled
     on, off = (config_identity(KernelsConfig(compile_layers=c)) for c in (True, False))
     assert on != off
+
+
+# -- the drafter's layers (drafter option `compile_layers`) -----------------------------------
+
+
+def _backbone(conv: int = 0):
+    from dspark_flow.models.drafter_backbone import BackboneConfig, DrafterBackbone
+
+    mx.random.seed(3)
+    cfg = BackboneConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, num_taps=2, conv_kernel_size=conv,
+                         conv_group_size=16 if conv else 0)  # fmt: skip
+    model = DrafterBackbone(cfg)
+    if conv:  # the convolutions' base kernels start at zero: make them count
+        for layer in model.layers:
+            for c in (layer.attention_conv, layer.mlp_conv):
+                c.base_kernel = mx.random.normal(c.base_kernel.shape) * 0.1
+    mx.eval(model.parameters())
+    return model
+
+
+def _drafter_rounds(model):
+    """Hidden states of three rounds (a 30-row prompt context, then 3 and 5 committed rows)."""
+    from dspark_flow.models.drafter_backbone import ContextKV
+
+    state, out = ContextKV(len(model.layers)), []
+    for i, rows in enumerate([30, 3, 5]):
+        mx.random.seed(10 + i)
+        model.extend_context(state, mx.random.normal((1, rows, 128)))
+        block = model(state, mx.random.normal((1, 8, 64)))
+        mx.eval(block)
+        out.append(block)
+    return out, state
+
+
+def test_compiled_drafter_layers_compute_the_same_values_bit_for_bit():
+    model = _backbone()
+    want, want_state = _drafter_rounds(model)
+    assert model.compile_layers(max_context_rows=9) == 2
+    got, got_state = _drafter_rounds(model)
+    for a, b in zip(want + want_state.keys + want_state.values,
+                    got + got_state.keys + got_state.values, strict=True):  # fmt: skip
+        assert mx.array_equal(a, b).item()
+
+
+def test_dflash2_convolution_layers_keep_the_plain_path():
+    model = _backbone(conv=2)
+    want, _ = _drafter_rounds(model)
+    assert model.compile_layers() == 0  # the convolutions are not in the compiled parts
+    got, _ = _drafter_rounds(model)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
+
+
+def test_shipped_drafter_with_compiled_layers_drafts_as_before(embedded):
+    """Same drafts (acceptance per round) and greedy's output, with the option on and off."""
+    from dspark_flow.pipeline import Pipeline
+
+    recipe = {
+        "drafter": {"kind": "dspark", "checkpoint": "builtin:smollm2-135m-dspark"},
+        "draft_cap": {"kind": "fixed", "k": 6},
+    }
+    greedy = Pipeline.from_dict({}, target=embedded).warm_up()
+    off = {**recipe, "drafter": {**recipe["drafter"], "compile_layers": False}}
+    plain = Pipeline.from_dict(off, target=embedded).warm_up()
+    compiled = Pipeline.from_dict(recipe, target=embedded).warm_up()  # the default
+    assert (
+        compiled.components.drafter.model._compiled and not plain.components.drafter.model._compiled
+    )
+    prompt = "Write a Python function that reverses a list."
+    want = greedy.generate(prompt, max_new_tokens=40).token_ids
+    a = plain.generate(prompt, max_new_tokens=40)
+    b = compiled.generate(prompt, max_new_tokens=40)
+    assert a.token_ids == b.token_ids == want
+    assert a.accept_lengths == b.accept_lengths and a.mean_accept_len > 1.0

@@ -101,11 +101,23 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(1, n, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=pos)
         k, v = self.keys_values(x, pos, rope)
+        out = self.attend(q, k, v, ctx_k, ctx_v, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+
+    def attend(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        ctx_k: mx.array | None,
+        ctx_v: mx.array | None,
+        mask: mx.array | None,
+    ) -> mx.array:
+        """The block's queries over [context keys, block keys] (heads first)."""
         if ctx_k is not None:
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
 class SwiGLU(nn.Module):
@@ -182,6 +194,33 @@ class DraftLayer(nn.Module):
         return x + (self.mlp_conv.finish(h, dyn) if conv else h)
 
 
+# -- compiled layers ---------------------------------------------------------------------------
+# A drafting round builds ~25 MLX operations per layer in Python; on a GPU that host time is most
+# of the drafter's cost (~1.3-1.9 ms a round on the H200 for the 5-layer DSpark drafter, against
+# a 4-9 ms round). `DrafterBackbone.compile_layers()` runs each plain layer's parts around the
+# attention through `mx.compile` (the same operations in the same order, so the same values);
+# the context concatenation and the attention call stay in Python, their key counts change
+# every round.
+
+
+def _layer_pre(layer: DraftLayer, rope: Any, x: mx.array, pos: mx.array) -> tuple[mx.array, ...]:
+    """A layer up to its attention: the block's queries, keys and values (RoPE'd at pos..)."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    n = h.shape[1]
+    q = attn.q_norm(attn.q_proj(h).reshape(1, n, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    q = rope(q, offset=pos)
+    k, v = attn.keys_values(h, pos, rope)
+    return q, k, v
+
+
+def _layer_post(layer: DraftLayer, x: mx.array, out: mx.array) -> mx.array:
+    """A layer from its attention's output: output projection, residuals, MLP."""
+    n = x.shape[1]
+    x = x + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 def _block_mask(
     n_ctx: int, ctx_end: int, n: int, pos: int, window: int | None, causal: bool
 ) -> mx.array | None:
@@ -223,6 +262,31 @@ class DrafterBackbone(nn.Module):
         # Plain attributes: neither the config nor RoPE's tables are checkpoint parameters.
         object.__setattr__(self, "cfg", cfg)
         object.__setattr__(self, "_rope", rope)
+        # layer index -> compiled (pre, post, context keys/values); empty: the plain path
+        object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "_compiled_context_rows", 0)
+
+    def compile_layers(self, max_context_rows: int = 16) -> int:
+        """Take the compiled path (see `_layer_pre`) for every layer without DFlash 2's
+        convolutions, where RoPE is the plain kind (whose offset may be an array); context
+        extensions of at most `max_context_rows` rows too (a prompt's rows stay plain: one trace
+        per prompt length would cost more than it saves). Returns how many layers compiled.
+        Inference only: the traces hold the weights as they are now."""
+        compiled: dict[int, tuple[Any, Any, Any]] = {}
+        if type(self._rope) is nn.RoPE:
+            for i, layer in enumerate(self.layers):
+                if "attention_conv" in layer:
+                    continue
+                compiled[i] = (
+                    mx.compile(lambda x, pos, layer=layer: _layer_pre(layer, self._rope, x, pos)),
+                    mx.compile(lambda x, out, layer=layer: _layer_post(layer, x, out)),
+                    mx.compile(
+                        lambda h, pos, attn=layer.self_attn: attn.keys_values(h, pos, self._rope)
+                    ),
+                )
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_compiled_context_rows", max_context_rows)
+        return len(compiled)
 
     def compute_dtype(self) -> mx.Dtype:
         norm: mx.array = self.norm.weight
@@ -231,8 +295,14 @@ class DrafterBackbone(nn.Module):
     def extend_context(self, state: ContextKV, feats: mx.array) -> None:
         """Append committed rows `feats` (1, S, num_taps * hidden) at positions state.end.."""
         h = self.hidden_norm(self.fc(feats.astype(self.compute_dtype())))
+        compiled = self._compiled if h.shape[1] <= self._compiled_context_rows else {}
+        end = mx.array(state.end, dtype=mx.int32) if compiled else state.end
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(h, state.end, self._rope)
+            fns = compiled.get(i)
+            if fns is not None:
+                k, v = fns[2](h, end)
+            else:
+                k, v = layer.self_attn.keys_values(h, state.end, self._rope)
             if state.keys[i] is not None:
                 k = mx.concatenate([state.keys[i], k], axis=2)
                 v = mx.concatenate([state.values[i], v], axis=2)
@@ -246,10 +316,17 @@ class DrafterBackbone(nn.Module):
     def __call__(self, state: ContextKV, x: mx.array) -> mx.array:
         """Normalised hidden states of the block `x` (1, B, hidden), the anchor at state.end."""
         pos, n = state.end, x.shape[1]
+        pos_array = mx.array(pos, dtype=mx.int32) if self._compiled else None
         for i, layer in enumerate(self.layers):
             mask = _block_mask(
                 state.held(i), state.end, n, pos, self.cfg.window(i), self.cfg.causal(i)
             )
+            fns = self._compiled.get(i)
+            if fns is not None:
+                q, k, v = fns[0](x, pos_array)
+                out = layer.self_attn.attend(q, k, v, state.keys[i], state.values[i], mask)
+                x = fns[1](x, out)
+                continue
 
             def attend(attn: DraftAttention, h: mx.array, i: int = i, mask: Any = mask) -> mx.array:
                 return attn(h, state.keys[i], state.values[i], pos, self._rope, mask)

@@ -63,6 +63,13 @@ class BlockDrafterConfig(StrategyConfig):
         "Lossless (verification is unchanged); costs acceptance on rarer tokens. null: all",
     )
 
+    compile_layers: bool = Field(
+        True,
+        description="run each drafter layer's parts around its attention through mx.compile: "
+        "the same values with fewer host-side calls a round (drafting rounds 2-3% faster on "
+        "the H200 and this CPU; dspark_flow/models/drafter_backbone.py)",
+    )
+
     @field_validator("quantize", mode="before")
     @classmethod
     def _none_word(cls, value: Any) -> Any:
@@ -159,6 +166,8 @@ class BlockDrafter(Drafter):
             self.build(spec), spec, self.config.quantize, self.config.dtype
         )
         self.spec = spec
+        if self.config.compile_layers:
+            self.model.compile_layers(max_context_rows=self.block_size + 1)
         self._target = None  # bind (and restrict) the new weights at the next warm_up
 
     def warm_up(self, ctx: BuildContext) -> None:
