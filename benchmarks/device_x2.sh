@@ -62,6 +62,9 @@ left() { local n=$((CALL_S - ($(date +%s) - START))); echo $((n > 1 ? n : 1)); }
 upto() { local n=$(( $(left) - $1 )); echo $((n > 1 ? n : 1)); }  # seconds left minus a margin, >= 1 (timeout 0 never ends)
 dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
+# The sweeps' verifier unless VERIFIER names another: the CLI's stack (TOOL_DEFAULTS; `prefer_stock`
+# is the config's default, spelled out for the record in the logs)
+CLI_VERIFIER='{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
 
 data_done() {  # the marker of a complete data set, one per data recipe (DATA_RECIPE)
   echo "/tmp/data.done.$(basename "${DATA_RECIPE:-$R-dspark.yaml}" .yaml)"
@@ -400,10 +403,7 @@ case "${1:-}" in
     # prompts on 2026-11-30, after a 100-130 s warm-up pass). One trial could not resolve 5%
     # there: DRAFTERS=dspark gives one drafter the whole call. STICKY=0.05 adds `auto` with that
     # switch_margin beside the plain one (benchmarks §3: does changing shapes cost on CUDA?).
-    # VERIFIER replaces the verifier (default: the CLI's stack, TOOL_DEFAULTS).
-    v='{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
-    [ -z "${VERIFIER:-}" ] || v=$VERIFIER
-    held=(--prompts /tmp/heldout.jsonl --per-category 3)
+    v=${VERIFIER:-$CLI_VERIFIER} held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     set -- ${DRAFTERS:-dspark dflash}
     while [ $# -gt 0 ]; do
@@ -414,10 +414,7 @@ case "${1:-}" in
   pair-sweeps)  # issue 6 on a two-GPU lease: DSpark on GPU 0 and DFlash on GPU 1 at the same time,
     # each its own whole call (as solo-sweeps with one drafter each); a second call reuses the
     # curves and verdicts left on the warm machine and fits more trials
-    # VERIFIER replaces the verifier (default: the CLI's stack, TOOL_DEFAULTS).
-    v='{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
-    [ -z "${VERIFIER:-}" ] || v=$VERIFIER
-    held=(--prompts /tmp/heldout.jsonl --per-category 3)
+    v=${VERIFIER:-$CLI_VERIFIER} held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     rm -rf /tmp/dc-dspark /tmp/dc-dflash
     SWEEP_GPU=0 sweep dspark "${TRIALS:-10}" $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 &
