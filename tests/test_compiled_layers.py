@@ -135,7 +135,9 @@ def test_compiled_layers_key_their_own_cost_curves():
 # -- the drafter's layers (drafter option `compile_layers`) -----------------------------------
 
 
-def _backbone(conv: int = 0):
+def _backbone(conv: int = 0, bits: int | None = None):
+    import mlx.nn as nn
+
     from dspark_flow.models.drafter_backbone import BackboneConfig, DrafterBackbone
 
     mx.random.seed(3)
@@ -147,6 +149,8 @@ def _backbone(conv: int = 0):
         for layer in model.layers:
             for c in (layer.attention_conv, layer.mlp_conv):
                 c.base_kernel = mx.random.normal(c.base_kernel.shape) * 0.1
+    if bits is not None:  # as GPU backends load the shipped drafter (quantize: auto)
+        nn.quantize(model, group_size=32, bits=bits)
     mx.eval(model.parameters())
     return model
 
@@ -165,8 +169,9 @@ def _drafter_rounds(model):
     return out, state
 
 
-def test_compiled_drafter_layers_compute_the_same_values_bit_for_bit():
-    model = _backbone()
+@pytest.mark.parametrize("bits", [None, 4])
+def test_compiled_drafter_layers_compute_the_same_values_bit_for_bit(bits):
+    model = _backbone(bits=bits)
     want, want_state = _drafter_rounds(model)
     assert model.compile_layers(max_context_rows=9) == 2
     got, got_state = _drafter_rounds(model)
