@@ -135,7 +135,7 @@ def test_compiled_layers_key_their_own_cost_curves():
 # -- the drafter's layers (drafter option `compile_layers`) -----------------------------------
 
 
-def _backbone(conv: int = 0, bits: int | None = None):
+def _backbone(conv: int = 0, bits: int | None = None, dtype=mx.float32):
     import mlx.nn as nn
 
     from dspark_flow.models.drafter_backbone import BackboneConfig, DrafterBackbone
@@ -149,6 +149,7 @@ def _backbone(conv: int = 0, bits: int | None = None):
         for layer in model.layers:
             for c in (layer.attention_conv, layer.mlp_conv):
                 c.base_kernel = mx.random.normal(c.base_kernel.shape) * 0.1
+    model.set_dtype(dtype)
     if bits is not None:  # as GPU backends load the shipped drafter (quantize: auto)
         nn.quantize(model, group_size=32, bits=bits)
     mx.eval(model.parameters())
@@ -163,15 +164,15 @@ def _drafter_rounds(model):
     for i, rows in enumerate([30, 3, 5]):
         mx.random.seed(10 + i)
         model.extend_context(state, mx.random.normal((1, rows, 128)))
-        block = model(state, mx.random.normal((1, 8, 64)))
+        block = model(state, mx.random.normal((1, 8, 64)).astype(model.compute_dtype()))
         mx.eval(block)
         out.append(block)
     return out, state
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_compiled_drafter_layers_compute_the_same_values_bit_for_bit(bits):
-    model = _backbone(bits=bits)
+@pytest.mark.parametrize("bits, dtype", [(None, mx.float32), (4, mx.float32), (4, mx.bfloat16)])
+def test_compiled_drafter_layers_compute_the_same_values_bit_for_bit(bits, dtype):
+    model = _backbone(bits=bits, dtype=dtype)
     want, want_state = _drafter_rounds(model)
     assert model.compile_layers(max_context_rows=9) == 2
     got, got_state = _drafter_rounds(model)

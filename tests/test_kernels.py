@@ -605,11 +605,12 @@ def test_invariant_mode_takes_the_stock_matmul_where_it_is_invariant_and_cheaper
 @cpu_only
 def test_invariant_mode_chunks_the_stock_matmul_past_its_span(monkeypatch, tiny_quantized):
     # A stock matmul that computes only 1..2 rows alike: 3 and 4 rows run as chunks of 2, which
-    # the (fake) timings make cheaper than the slower kernel at every row count.
+    # the (fake) timings make cheaper than the slower kernel at every row count (judged by the
+    # probes alone: `prefer_stock` off).
     monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
     span_two = probe.Verdict(True, "rows 1..2", extra={"span": 2}, correct=True)
     monkeypatch.setattr(probe, "probe_stock_span", lambda *a, **k: span_two)
-    verifier = _emulated_verifier(max_rows=4, invariant=True)
+    verifier = _emulated_verifier(max_rows=4, invariant=True, prefer_stock=False)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
     assert _matmul_routes(verifier) == {("stock", "stock", "qmm_stock_chunks", "qmm_stock_chunks")}
@@ -684,28 +685,37 @@ def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
 
 
 @cpu_only
-def test_prefer_stock_keeps_mlx_own_routes_where_the_kernels_are_cheaper(
-    monkeypatch, tiny_quantized
+@pytest.mark.parametrize("many_rows, stock_kept", [((0.5, 3.0), True), ((0.2, 9.0), False)])
+def test_prefer_stock_keeps_mlx_own_routes_unless_far_dearer(
+    monkeypatch, tiny_quantized, many_rows, stock_kept
 ):
-    # The same timings as above, with `prefer_stock` (the default): MLX's own matmul (its CPU span covers
-    # 1..4 rows, measured) and its own attention within a stubbed span of 4 take every row
-    # count, so a forward never calls a kernel, and speculation still equals greedy.
+    # The kernels are slower for one row, faster from two. With `prefer_stock` (the default)
+    # MLX's own matmul (its CPU span covers 1..4 rows, measured) and its own attention within a
+    # stubbed span of 4 keep every row count while the probes time them at most
+    # PREFER_STOCK_LIMIT times the kernels' cost per token (1.7x here), so a forward never calls
+    # a kernel; at 4.8x the kernels take over.
     def timer(kernel, twin, inputs, **_):
-        return (2.0, 1.0) if inputs[0].shape[0] == 1 else (0.5, 3.0)
+        rows = inputs[0].shape[0] if inputs[0].ndim == 2 else inputs[0].shape[2]  # x or q
+        return (2.0, 1.0) if rows == 1 else many_rows
 
     monkeypatch.setattr(probe, "time_pair", timer)
     span_four = probe.Verdict(True, "query rows 1..4", extra={"span": 4}, correct=True)
     monkeypatch.setattr(probe, "probe_sdpa_stock_span", lambda *a, **k: span_four)
-    verifier = _emulated_verifier(max_rows=4, invariant=True, prefer_stock=True)
+    verifier = _emulated_verifier(max_rows=4, invariant=True)
     spec = Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=verifier)
     spec.warm_up()
-    assert verifier.matmul_routes() == {}  # every row count stock: no layer needs a route
     attention = verifier._router.attention if verifier._router is not None else None
-    assert attention is None or not any(any(fns) for fns in attention.by_rows.values())
+    attention_routed = attention is not None and any(any(f) for f in attention.by_rows.values())
+    if stock_kept:
+        assert verifier.matmul_routes() == {}  # every row count stock: no layer needs a route
+        assert not attention_routed
+    else:
+        assert _matmul_routes(verifier) == {("qmm_small_m_emulated",) * 4}
+        assert attention_routed
     greedy = Pipeline.from_dict(_recipe({"kind": "none"}), target=tiny_quantized)
     prompt = [504, 2365, 6354, 504, 2365]
     assert spec.generate(prompt).token_ids == greedy.generate(prompt).token_ids
-    assert verifier.kernel_calls == 0 and verifier.attention_calls == 0
+    assert (verifier.kernel_calls == 0 and verifier.attention_calls == 0) == stock_kept
     verifier.restore()
 
 
@@ -714,7 +724,7 @@ def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, t
     # Route (b): MLX's own attention for the query counts it computes as one (its span: one
     # or two here, stubbed), a vector-rows kernel past them where it reproduced MLX's one-row
     # results bit for bit (here: MLX one row at a time) and is cheaper per token; an inexact one
-    # (another summation order) leaves route (a).
+    # (another summation order) leaves route (a). Judged by the probes alone (`prefer_stock` off).
     def exact_rows(q_, k_, v_, scale, mask=None):
         return sv.sdpa_vector_rows_reference(q_, k_, v_, scale, mask)
 
@@ -741,7 +751,7 @@ def test_invariant_attention_takes_vector_rows_only_where_bitwise(monkeypatch, t
         (exact_rows, (None, "exact_rows", "exact_rows"), 2),  # MLX's own for 1..2 queries
     ]:
         span["span"] = stock_rows
-        verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True),
+        verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True, prefer_stock=False),
                                   kernel=q.qmm_small_m_emulated,
                                   attention_kernel=a.sdpa_small_q_emulated,
                                   vector_rows_kernel=rows_kernel)  # fmt: skip

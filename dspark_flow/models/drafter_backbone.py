@@ -81,7 +81,9 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
 
-    def keys_values(self, x: mx.array, offset: int, rope: Any) -> tuple[mx.array, mx.array]:
+    def keys_values(
+        self, x: mx.array, offset: int | mx.array, rope: Any
+    ) -> tuple[mx.array, mx.array]:
         """k/v heads of rows `x` (batch, S, hidden) sitting at positions offset.., RoPE applied."""
         b, n = x.shape[:2]
         k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv, -1)).transpose(0, 2, 1, 3)
@@ -97,12 +99,20 @@ class DraftAttention(nn.Module):
         rope: Any,
         mask: mx.array | None,
     ) -> mx.array:
+        q, k, v = self.project(x, pos, rope)
+        return self.output(self.attend(q, k, v, ctx_k, ctx_v, mask))
+
+    def project(self, x: mx.array, pos: int | mx.array, rope: Any) -> tuple[mx.array, ...]:
+        """The block's query, key and value heads (RoPE'd at positions pos..)."""
         n = x.shape[1]
         q = self.q_norm(self.q_proj(x).reshape(1, n, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=pos)
         k, v = self.keys_values(x, pos, rope)
-        out = self.attend(q, k, v, ctx_k, ctx_v, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+        return q, k, v
+
+    def output(self, out: mx.array) -> mx.array:
+        """Heads merged back into rows, then the output projection."""
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, out.shape[2], -1))
 
     def attend(
         self,
@@ -204,20 +214,13 @@ class DraftLayer(nn.Module):
 
 
 def _layer_pre(layer: DraftLayer, rope: Any, x: mx.array, pos: mx.array) -> tuple[mx.array, ...]:
-    """A layer up to its attention: the block's queries, keys and values (RoPE'd at pos..)."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    n = h.shape[1]
-    q = attn.q_norm(attn.q_proj(h).reshape(1, n, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    q = rope(q, offset=pos)
-    k, v = attn.keys_values(h, pos, rope)
-    return q, k, v
+    """A plain layer up to its attention (DraftLayer.__call__'s steps)."""
+    return layer.self_attn.project(layer.input_layernorm(x), pos, rope)
 
 
 def _layer_post(layer: DraftLayer, x: mx.array, out: mx.array) -> mx.array:
-    """A layer from its attention's output: output projection, residuals, MLP."""
-    n = x.shape[1]
-    x = x + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
+    """A plain layer from its attention's output (DraftLayer.__call__'s steps)."""
+    x = x + layer.self_attn.output(out)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -271,18 +274,18 @@ class DrafterBackbone(nn.Module):
         convolutions, where RoPE is the plain kind (whose offset may be an array); context
         extensions of at most `max_context_rows` rows too (a prompt's rows stay plain: one trace
         per prompt length would cost more than it saves). Returns how many layers compiled.
-        Inference only: the traces hold the weights as they are now."""
+        Inference only: the traces hold the weights as they are now; after changing them in
+        place (training), call it again (or build the drafter anew)."""
         compiled: dict[int, tuple[Any, Any, Any]] = {}
-        if type(self._rope) is nn.RoPE:
+        rope = self._rope  # not `self`: the traces would keep the model alive in a cycle
+        if type(rope) is nn.RoPE:
             for i, layer in enumerate(self.layers):
                 if "attention_conv" in layer:
                     continue
                 compiled[i] = (
-                    mx.compile(lambda x, pos, layer=layer: _layer_pre(layer, self._rope, x, pos)),
+                    mx.compile(lambda x, pos, layer=layer: _layer_pre(layer, rope, x, pos)),
                     mx.compile(lambda x, out, layer=layer: _layer_post(layer, x, out)),
-                    mx.compile(
-                        lambda h, pos, attn=layer.self_attn: attn.keys_values(h, pos, self._rope)
-                    ),
+                    mx.compile(lambda h, pos, attn=layer.self_attn: attn.keys_values(h, pos, rope)),
                 )
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_compiled_context_rows", max_context_rows)

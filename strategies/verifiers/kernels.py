@@ -10,7 +10,8 @@ layer shape and every query count of the attention (per key-length bucket); verd
 per machine. In invariant mode each layer shape, and the attention, take one route for every
 row count that computes each row alike (MLX's own kernels where the probe finds them
 row-invariant, `qmv_rows`/`sdpa_vector_rows` past that where bitwise equal to them, or the
-kernels above), the cheapest per token. Layers are rerouted by swapping their class to a subclass whose matmul asks the
+kernels above): MLX's own where they exist and are not far dearer (`prefer_stock`), else the
+cheapest per token by the probes. Layers are rerouted by swapping their class to a subclass whose matmul asks the
 router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
 model modules call (the wrapper passes through to the original unless a router is active;
 `restore()` undoes both). The router is active only inside this verifier's `forward`, so
@@ -50,6 +51,13 @@ _WRAPPED: dict[str, tuple[Callable[..., Any], set[int]]] = {}
 _ATTENTION_FN = "scaled_dot_product_attention"
 
 
+# `prefer_stock` keeps MLX's own route unless the probes time it this many times dearer per
+# token than our kernel's. On the H200 (2026-12-01) the tied head's stock route timed 1.8x ours
+# per token and ran faster end to end (benchmarks §4); MLX's matmul in chunks of one row (a
+# span of 1 without an exact `qmv_rows`) would time ~2.9x for the head, more on cheaper shapes.
+PREFER_STOCK_LIMIT = 2.5
+
+
 class KernelsConfig(StrategyConfig):
     kind: Literal["kernels"] = "kernels"
     max_rows: int | None = Field(
@@ -68,17 +76,18 @@ class KernelsConfig(StrategyConfig):
         False,
         description="give every layer and the attention one route for all row counts "
         "1..max_rows that computes each row alike (MLX's own kernels within their measured "
-        "invariant span, bitwise twins of them past it, or our kernels), the cheapest per token: "
+        "invariant span, bitwise twins of them past it, or our kernels; see prefer_stock): "
         "a token's logits then do not depend on how many tokens one forward holds, so "
         "speculation reproduces this verifier's own greedy output bit for bit",
     )
     prefer_stock: bool = Field(
         True,
         description="invariant mode: wherever MLX's own kernels (within their invariant span) "
-        "and bitwise twins of them past it cover every row count, take that route even where "
-        "the probes timed our kernel cheaper per token, so a one-token forward is MLX's stock "
-        "forward (on the H200 plain greedy +8%, speculation +2%: the probes time a kernel "
-        "alone, not the host time its calls add to a forward); false: the cheapest per the probes",
+        "and bitwise twins of them past it cover every row count, take that route unless the "
+        "probes time it over 2.5 times as dear per token as our kernel's (where it covers every "
+        "layer and the attention, a one-token forward is MLX's stock forward; on the H200 plain "
+        "greedy +8%, speculation +2%: the probes time a kernel alone, not the host time its "
+        "calls add to a forward); false: the cheapest per token by the probes",
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
     compile_layers: bool = Field(False, description=COMPILE_LAYERS_HELP)
@@ -454,8 +463,8 @@ class KernelVerifier(Verifier):
     def _matmul_routes(self, shape: tuple[Any, ...], store: Any) -> list[Callable[..., Any] | None]:
         """Probe rows 1..max_rows of one layer shape; the matmul for each row count (index r;
         None: the stock path). Outside invariant mode the kernel where it is faster; in
-        invariant mode the route, among those that compute every row alike, that the probes
-        timed cheapest per token (`_invariant_routes`)."""
+        invariant mode one route, among those that compute every row alike
+        (`_invariant_routes`)."""
         from dspark_flow.kernels import qmm_small_m as q
         from dspark_flow.kernels.probe import dtype_name, probe_qmm
 
@@ -477,14 +486,15 @@ class KernelVerifier(Verifier):
     def _invariant_routes(
         self, shape: tuple[Any, ...], kernel: Callable[..., Any], verdicts: list[Any], store: Any
     ) -> list[Callable[..., Any] | None]:
-        """The cheapest route that computes every row alike, by its probe timings per token (a
+        """A route that computes every row alike, judged by its probe timings per token (a
         forward of r rows timed at t ms counts t / r, summed over r = 1..max_rows):
         (a) the kernel for every row count, where it is correct for all of them;
         (b) MLX's own matmul for rows 1..span, which it computes as it computes one row
             (measured: `probe_stock_span`), and past the span either `qmv_rows`, where it
             reproduced MLX's one-row results bit for bit, or MLX's matmul in chunks of `span`
-            rows. On a tie the route with less custom code wins; with `prefer_stock`, (a) only
-            where (b) has no route."""
+            rows.
+        The cheapest wins (on a tie the one with less custom code); with `prefer_stock`, the
+        cheapest (b) unless (a) is cheaper by more than `PREFER_STOCK_LIMIT` (`_choose`)."""
         from dspark_flow.kernels.probe import dtype_name, probe_stock_span
 
         n, k, bits, gs, x_dtype, s_dtype = shape
@@ -493,7 +503,8 @@ class KernelVerifier(Verifier):
         sv = probe_stock_span(top, n, k, bits, gs, x_dtype, s_dtype, store, self.config.reprobe)
         self._note("stock_row_span", sv, rows=top, **where)
         span = min(int(sv.extra.get("span", 0)), top)
-        candidates: list[tuple[float, list[Callable[..., Any] | None]]] = []
+        candidates: list[tuple[float, list[Callable[..., Any] | None]]] = []  # route (b)
+        kernel_route = None  # route (a)
         if span:
             stock = [v.twin_ms for v in verdicts[:span]]
             if span == top:
@@ -502,12 +513,11 @@ class KernelVerifier(Verifier):
                 candidates.append(
                     (_per_token(stock + costs), [None] * (span + 1) + [fn] * (top - span))
                 )
-        if all(v.correct for v in verdicts) and not (self.config.prefer_stock and candidates):
-            candidates.append(
-                (_per_token([v.kernel_ms for v in verdicts]), [None] + [kernel] * top)
-            )
-        if candidates:
-            return min(candidates, key=lambda c: c[0])[1]  # the first of equals: less custom code
+        if all(v.correct for v in verdicts):
+            kernel_route = (_per_token([v.kernel_ms for v in verdicts]), [None] + [kernel] * top)
+        chosen = self._choose(candidates, kernel_route)
+        if chosen is not None:
+            return chosen
         self._not_invariant.append(f"no invariant matmul for {where}: {sv.reason}")
         return [None] * (top + 1)  # one path for every row count at least: the stock one
 
@@ -566,7 +576,7 @@ class KernelVerifier(Verifier):
         of (a) `sdpa_small_q` for every query count, where it is correct for all, and (b) MLX's
         own attention for the query counts it computes as one (its probed span, at least one)
         and `sdpa_vector_rows` past them, where it reproduced MLX's one-row results bit for bit
-        in every bucket (with `prefer_stock`, (a) only where (b) has no route)."""
+        in every bucket; chosen as the matmuls' routes are (`_choose`)."""
         from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
 
@@ -590,21 +600,35 @@ class KernelVerifier(Verifier):
                     route.by_rows[bucket] = [None] + [kernel if v.enabled else None for v in vs]
             return route if route.by_rows else None
         route.open_ended = True
-        candidates: list[tuple[float, dict[int, list[Callable[..., Any] | None]]]] = []
         rows_route = self._vector_rows_route(shape, verdicts, store)
-        if rows_route is not None:
-            candidates.append(rows_route)
-        if all(v.correct for vs in verdicts.values() for v in vs) and not (
-            self.config.prefer_stock and candidates
-        ):
+        kernel_route = None
+        if all(v.correct for vs in verdicts.values() for v in vs):
             cost = sum(_per_token([v.kernel_ms for v in vs]) for vs in verdicts.values())
-            candidates.append((cost, {b: [None] + [kernel] * top for b in verdicts}))
-        if not candidates:
+            kernel_route = (cost, {b: [None] + [kernel] * top for b in verdicts})
+        chosen = self._choose([rows_route] if rows_route else [], kernel_route)
+        if chosen is None:
             self._not_invariant.append("no invariant attention: " + next(
                 v.reason for vs in verdicts.values() for v in vs if not v.correct))  # fmt: skip
             return None
-        route.by_rows = min(candidates, key=lambda c: c[0])[1]  # the first of equals
+        route.by_rows = chosen
         return route
+
+    def _choose(self, stock: list[tuple[float, Any]], kernel: tuple[float, Any] | None) -> Any:
+        """Between invariant routes with their probe costs per token: (b) `stock`, MLX's own
+        kernels and their bitwise twins (several ways past the span), and (a) `kernel`, ours for
+        every row count. Without `prefer_stock` the cheapest (the first of equals: less custom
+        code); with it the cheapest (b), unless (a) is cheaper by more than PREFER_STOCK_LIMIT
+        (a probe times a kernel alone, not the host time its calls add to a forward, so it
+        flatters ours; but a (b) of many chunks can cost several times more). None: no route."""
+        best = min(stock, key=lambda c: c[0]) if stock else None
+        if (
+            self.config.prefer_stock
+            and best is not None
+            and (kernel is None or best[0] <= PREFER_STOCK_LIMIT * kernel[0])
+        ):
+            return best[1]
+        options = [*stock, *([kernel] if kernel is not None else [])]
+        return min(options, key=lambda c: c[0])[1] if options else None
 
     def _vector_rows_route(
         self, shape: tuple[int, int, int, mx.Dtype], verdicts: dict[int, list[Any]], store: Any
