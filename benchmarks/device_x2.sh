@@ -372,9 +372,12 @@ case "${1:-}" in
   solo-e2e)  # issues 5 and 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, both with compiled layers (so the
     # two differ in the kernels only); each target with its own greedy and mlx-lm's stock greedy.
-    # LEAN=1 drops the two full-block recipes. PREFER_STOCK=1 adds `auto` through invariant routes with `prefer_stock`.
+    # LEAN=1 drops the two full-block recipes. PREFER_STOCK=1 adds `auto` with `prefer_stock` spelled
+    # out (the 12:36 UTC run of 2026-12-01, when it was off by default; now kernels-auto is the same).
     # BF16=1 adds the bf16 target (its kernels are probed here unless solo-first had
-    # KTARGETS=all: ~60-85 s). The six-recipe version (bf16 included, layers not compiled) was
+    # KTARGETS=all: ~60-85 s; `LEAN=1 PREFER_STOCK=1 BF16=1 TRIALS=3` after a solo-first without it
+    # was cut at 536 s on 2026-12-01 ~12:55 UTC, still warming up: probe bf16 in solo-first).
+    # The six-recipe version (bf16 included, layers not compiled) was
     # cut at 506 s on 2026-12-01 at ~10:10 UTC with an empty log: no mode had finished its warm-up.
     # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 at 15:12 UTC.
     # Only on a machine whose kernels were probed (solo-first): the first probes' CUDA compile
