@@ -46,6 +46,11 @@ COMPILE_LAYERS_HELP = (
 )
 
 
+def compiled_scope(compiled: CompiledLayers | None) -> contextlib.AbstractContextManager[None]:
+    """`compiled.scope()`, or nothing where a verifier compiled no layers."""
+    return compiled.scope() if compiled is not None else contextlib.nullcontext()
+
+
 def _attention_supported(attn: nn.Module) -> bool:
     """The llama-family attention: q/k/v/o projections, head counts, a plain rotary embedding
     (what `_attention_pre` reproduces), and a model module exposing the attention function."""

@@ -21,7 +21,6 @@ backend always) nothing is swapped or wrapped: output = `reference`.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import sys
 import time
@@ -36,7 +35,11 @@ from pydantic import Field
 from dspark_flow.kernels.coprefill import coprefill_qmm, row_bucket
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
 from dspark_flow.log import get_logger
-from dspark_flow.models.compiled_layers import COMPILE_LAYERS_HELP, CompiledLayers
+from dspark_flow.models.compiled_layers import (
+    COMPILE_LAYERS_HELP,
+    CompiledLayers,
+    compiled_scope,
+)
 from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
 
 log = get_logger()
@@ -743,7 +746,7 @@ class KernelVerifier(Verifier):
 
     def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
-        with self.compiled.scope() if self.compiled else contextlib.nullcontext():
+        with compiled_scope(self.compiled):
             if self._router is None:
                 return model(ids, cache=cache)[0]
             token = _ROUTER.set(self._router)

@@ -3,7 +3,6 @@ checked against), optionally with its decoder layers compiled for verify-sized f
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -11,7 +10,11 @@ import mlx.nn as nn
 from pydantic import Field
 
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
-from dspark_flow.models.compiled_layers import COMPILE_LAYERS_HELP, CompiledLayers
+from dspark_flow.models.compiled_layers import (
+    COMPILE_LAYERS_HELP,
+    CompiledLayers,
+    compiled_scope,
+)
 from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
 
 
@@ -40,5 +43,5 @@ class ReferenceVerifier(Verifier):
 
     def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
-        with self.compiled.scope() if self.compiled else contextlib.nullcontext():
+        with compiled_scope(self.compiled):
             return model(ids, cache=cache)[0]
