@@ -7,7 +7,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from dspark_flow.models.compiled_layers import CompiledLayers, _attention_supported
+from dspark_flow.models.compiled_layers import (
+    CompiledLayers,
+    _attention_supported,
+    compiled_scope,
+)
 from tests.tiny import tiny_model
 
 CONTEXT = [(17 * i + 3) % 4000 + 100 for i in range(40)]
@@ -20,11 +24,8 @@ def _forwards(model, rows_list, compiled=None):
     out = []
     for rows in rows_list:
         ids = mx.array([[(31 * r + 7) % 4000 + 50 for r in range(rows)]])
-        if compiled is None:
+        with compiled_scope(compiled):
             logits = model(ids, cache=cache)
-        else:
-            with compiled.scope():
-                logits = model(ids, cache=cache)
         mx.eval(logits)
         out.append(logits)
         for c in cache:
