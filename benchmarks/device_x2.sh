@@ -372,7 +372,8 @@ case "${1:-}" in
   solo-e2e)  # issues 5 and 9 end to end in one `dspark-flow bench`: 4-bit through the invariant
     # kernels (the CLI's stack) and through MLX's stock path, both with compiled layers (so the
     # two differ in the kernels only); each target with its own greedy and mlx-lm's stock greedy.
-    # LEAN=1 drops the two full-block recipes. PREFER_STOCK=1 adds `auto` with `prefer_stock` spelled
+    # LEAN=1 drops the two full-block recipes. FUSED=1 adds `auto` with fuse_projections (probe
+    # its stacked shapes first, e.g. compile_ab.py --option verifier.fuse_projections). PREFER_STOCK=1 adds `auto` with `prefer_stock` spelled
     # out (the 12:36 UTC run of 2026-12-01, when it was off by default; now kernels-auto is the same).
     # BF16=1 adds the bf16 target (its kernels are probed here unless solo-first had
     # KTARGETS=all: ~60-85 s; `LEAN=1 PREFER_STOCK=1 BF16=1 TRIALS=3` after a solo-first without it
@@ -394,6 +395,10 @@ case "${1:-}" in
     if [ -n "${PREFER_STOCK:-}" ]; then  # the invariant routes that keep MLX's own kernels
       variant dspark kernels-auto-stock '{kind: auto}' auto '{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
       set -- "$@" /tmp/kernels-auto-stock.yaml
+    fi
+    if [ -n "${FUSED:-}" ]; then  # the invariant routes with q/k/v and gate/up stacked (fuse_projections)
+      variant dspark kernels-auto-fused '{kind: auto}' auto '{kind: kernels, invariant: true, compile_layers: true, fuse_projections: true}'
+      set -- "$@" /tmp/kernels-auto-fused.yaml
     fi
     if [ -n "${BF16:-}" ]; then
       variant dspark bf16-full '{kind: full_block}' auto '{kind: kernels, compile_layers: true}' bfloat16

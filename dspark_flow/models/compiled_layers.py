@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from dspark_flow.models.fused_projections import Fused, FusedProjections, swiglu_of
 from dspark_flow.models.taps import find_layers
 
 _ACTIVE: contextvars.ContextVar[CompiledLayers | None] = contextvars.ContextVar(
@@ -59,7 +60,9 @@ def _attention_supported(attn: nn.Module) -> bool:
         return False
     if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):  # qwen3-style: not reproduced here
         return False
-    return callable(getattr(sys.modules.get(_base(type(attn)).__module__), _ATTENTION_FN, None))
+    return callable(
+        getattr(sys.modules.get(base_class(type(attn)).__module__), _ATTENTION_FN, None)
+    )
 
 
 def _mlp_supported(mlp: nn.Module) -> bool:
@@ -67,16 +70,24 @@ def _mlp_supported(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _base(cls: type) -> type:
+def base_class(cls: type) -> type:
+    """The class a compiled subclass was made from (the class itself otherwise)."""
     return cls.__dict__.get(_BASE, cls)
 
 
-def _attention_pre(attn: Any, x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-    """The llama attention up to the cache update (mlx-lm's order of operations)."""
+def _attention_pre(
+    attn: Any, x: mx.array, offset: mx.array, qkv: Fused | None = None
+) -> tuple[mx.array, ...]:
+    """The llama attention up to the cache update (mlx-lm's order of operations); with `qkv`,
+    the three projections as one stacked matmul."""
     batch, rows, _ = x.shape
-    q = attn.q_proj(x).reshape(batch, rows, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    k = attn.k_proj(x).reshape(batch, rows, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    v = attn.v_proj(x).reshape(batch, rows, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if qkv is not None:
+        q, k, v = mx.split(qkv.module(x), list(qkv.splits), axis=-1)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q = q.reshape(batch, rows, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = k.reshape(batch, rows, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(batch, rows, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
 
@@ -85,9 +96,15 @@ def _attention_post(attn: Any, out: mx.array) -> mx.array:
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, rows, -1))
 
 
+def _fused_mlp(mlp: Any, x: mx.array, gate_up: Fused) -> mx.array:
+    """A swiglu MLP's forward with gate and up as one stacked matmul."""
+    gate, up = mx.split(gate_up.module(x), list(gate_up.splits), axis=-1)
+    return mlp.down_proj(swiglu_of(mlp)(gate, up))
+
+
 def _compiled_attention_call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> Any:
     scope = _ACTIVE.get()
-    base = _base(type(self))
+    base = base_class(type(self))
     if scope is None or x.ndim != 3 or x.shape[1] > scope.max_rows or not hasattr(cache, "offset"):
         return base.__call__(self, x, mask, cache)  # no cache (or one without an offset): stock
     pre, post = scope.attention_fns(self)
@@ -101,7 +118,7 @@ def _compiled_attention_call(self: Any, x: mx.array, mask: Any = None, cache: An
 
 def _compiled_mlp_call(self: Any, x: mx.array) -> Any:
     scope = _ACTIVE.get()
-    base = _base(type(self))
+    base = base_class(type(self))
     if scope is None or x.ndim != 3 or x.shape[1] > scope.max_rows:
         return base.__call__(self, x)
     return scope.mlp_fn(self)(x)
@@ -118,8 +135,9 @@ class CompiledLayers:
     `max_rows` tokens. `install(model)` swaps the classes; `scope()` turns the compiled path on
     for the calls inside it; `restore()` puts the classes back."""
 
-    def __init__(self, max_rows: int):
+    def __init__(self, max_rows: int, fused: FusedProjections | None = None):
         self.max_rows = max_rows
+        self.fused = fused  # stacked q/k/v and gate/up projections to call, where given
         self._fns: dict[tuple[int, str], Any] = {}
         self._swapped: list[tuple[nn.Module, type]] = []
         self.attention_layers = 0
@@ -166,8 +184,9 @@ class CompiledLayers:
         key = (id(attn), "attention")
         fns = self._fns.get(key)
         if fns is None:
+            qkv = self.fused.of(attn) if self.fused is not None else None
             fns = self._fns[key] = (
-                mx.compile(lambda x, offset: _attention_pre(attn, x, offset)),
+                mx.compile(lambda x, offset: _attention_pre(attn, x, offset, qkv)),
                 mx.compile(lambda out: _attention_post(attn, out)),
             )
         return fns
@@ -176,6 +195,11 @@ class CompiledLayers:
         key = (id(mlp), "mlp")
         fn = self._fns.get(key)
         if fn is None:
-            call = _base(type(mlp)).__call__
-            fn = self._fns[key] = mx.compile(lambda x: call(mlp, x))
+            gate_up = self.fused.of(mlp) if self.fused is not None else None
+            if gate_up is not None:
+                fn = mx.compile(lambda x: _fused_mlp(mlp, x, gate_up))
+            else:
+                call = base_class(type(mlp)).__call__
+                fn = mx.compile(lambda x: call(mlp, x))
+            self._fns[key] = fn
         return fn

@@ -35,12 +35,10 @@ from pydantic import Field
 from dspark_flow.kernels.coprefill import coprefill_qmm, row_bucket
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
 from dspark_flow.log import get_logger
-from dspark_flow.models.compiled_layers import (
-    COMPILE_LAYERS_HELP,
-    CompiledLayers,
-    compiled_scope,
-)
-from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
+from dspark_flow.models.compiled_layers import CompiledLayers, compiled_scope
+from dspark_flow.models.fused_projections import FusedProjections
+from dspark_flow.strategies.verifiers.layer_options import LayerOptions
+from dspark_flow.strategy import BuildContext, Verifier
 
 log = get_logger()
 
@@ -61,7 +59,7 @@ _ATTENTION_FN = "scaled_dot_product_attention"
 PREFER_STOCK_LIMIT = 2.5
 
 
-class KernelsConfig(StrategyConfig):
+class KernelsConfig(LayerOptions):
     kind: Literal["kernels"] = "kernels"
     max_rows: int | None = Field(
         None,
@@ -93,7 +91,6 @@ class KernelsConfig(StrategyConfig):
         "calls add to a forward); false: the cheapest per token by the probes",
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
-    compile_layers: bool = Field(False, description=COMPILE_LAYERS_HELP)
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
     precompile: bool = Field(
         True,
@@ -303,12 +300,19 @@ class KernelVerifier(Verifier):
         self._not_invariant: list[str] = []  # why a layer shape has no invariant route
         self.verdicts: list[dict[str, Any]] = []  # one per probed shape, for reports
         self.compiled: CompiledLayers | None = None  # config.compile_layers, after warm-up
+        self.fused: FusedProjections | None = None  # config.fuse_projections, after warm-up
 
     # -- routing ---------------------------------------------------------------------------
 
     def _layers(self, model: nn.Module) -> list[nn.Module]:
+        """The matmuls to route: the model's quantized layers; with fused projections, the
+        stacks in place of their parts (verify forwards call only the stacks)."""
+        stacks = self.fused.stacks if self.fused is not None else []
+        stacked = {id(p) for _, parts in stacks for p in parts}
         layers = []
-        for _, module in model.named_modules():
+        for module in [m for _, m in model.named_modules() if id(m) not in stacked] + [
+            s for s, _ in stacks
+        ]:
             if getattr(module, "mode", "affine") != "affine" or module.get("biases") is None:
                 continue  # the kernels implement affine quantization only
             if isinstance(module, nn.QuantizedLinear) or (
@@ -328,6 +332,7 @@ class KernelVerifier(Verifier):
         if self.compiled is not None:
             self.compiled.restore()
             self.compiled = None
+        self.fused = None  # the model's layers keep the views: the same values
         for module, cls in self._swapped:
             module.__class__ = cls
         self._swapped.clear()
@@ -347,6 +352,8 @@ class KernelVerifier(Verifier):
         self._router, self._warmed, self.verdicts = None, None, []
         self._max_rows = rows
         try:
+            if self.config.fuse_projections:  # before routing: the stacked shapes get probed
+                self.fused = FusedProjections.install(ctx.model)
             self._warm_up(ctx)
             self._compile_layers(ctx.model)
             # After the layers are compiled: their traces are what decoding will replay.
@@ -365,7 +372,7 @@ class KernelVerifier(Verifier):
     def _compile_layers(self, model: nn.Module) -> None:
         """Compile the layers once the routes are settled (a trace bakes them in)."""
         if self.config.compile_layers:
-            self.compiled = CompiledLayers(self._max_rows)
+            self.compiled = CompiledLayers(self._max_rows, self.fused)
             self.compiled.install(model)
 
     def _rows_wanted(self, ctx: BuildContext) -> int:
@@ -405,7 +412,8 @@ class KernelVerifier(Verifier):
             log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
         router = _Router(self._max_rows)
-        self._swap(layers)
+        stacked = [p for _, parts in self.fused.stacks for p in parts] if self.fused else []
+        self._swap(layers + stacked)  # the parts too: the recording forward below calls them
         for name in attention_modules:
             _wrap_attention(name, id(self))
         router.recording = {}
@@ -415,6 +423,9 @@ class KernelVerifier(Verifier):
         finally:
             _ROUTER.reset(token)
         seen, router.recording = router.recording, None
+        for stack, parts in self.fused.stacks if self.fused is not None else []:
+            if id(parts[0]) in seen:  # the stock forward calls the parts, decoding the stack
+                seen[id(stack)] = seen[id(parts[0])]
         store = VerdictCache()
         shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
         for module in layers:

@@ -7,20 +7,16 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
-from pydantic import Field
 
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
-from dspark_flow.models.compiled_layers import (
-    COMPILE_LAYERS_HELP,
-    CompiledLayers,
-    compiled_scope,
-)
-from dspark_flow.strategy import BuildContext, StrategyConfig, Verifier
+from dspark_flow.models.compiled_layers import CompiledLayers, compiled_scope
+from dspark_flow.models.fused_projections import FusedProjections
+from dspark_flow.strategies.verifiers.layer_options import LayerOptions
+from dspark_flow.strategy import BuildContext, Verifier
 
 
-class ReferenceConfig(StrategyConfig):
+class ReferenceConfig(LayerOptions):
     kind: Literal["reference"] = "reference"
-    compile_layers: bool = Field(False, description=COMPILE_LAYERS_HELP)
 
 
 class ReferenceVerifier(Verifier):
@@ -37,7 +33,8 @@ class ReferenceVerifier(Verifier):
             return
         if self.compiled is not None:  # warmed for another model before
             self.compiled.restore()
-        self.compiled = CompiledLayers(MAX_ROWS)
+        fused = FusedProjections.install(ctx.model) if self.config.fuse_projections else None
+        self.compiled = CompiledLayers(MAX_ROWS, fused)
         self.compiled.install(ctx.model)
         self._model_id = id(ctx.model)
 
