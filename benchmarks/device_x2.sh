@@ -453,6 +453,17 @@ case "${1:-}" in
       grep -E "x ours|same tokens" $O/gap-$w.log
     done
     ;;
+  solo-ab)  # one boolean recipe option OPTION, off and on, in one process (benchmarks/compile_ab.py:
+    # greedy and DSpark, interleaved), 9 held-out prompts (3 per category) x TRIALS (default 3),
+    # 128 tokens, cap CAP (default auto), verifier VERIFIER (default the CLI's stack)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
+    cap='{kind: auto}'; [ -z "${CAP:-}" ] || cap=$CAP
+    CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/compile_ab.py \
+      --option "${OPTION:?OPTION names the boolean to A/B}" --set "verifier=${VERIFIER:-$CLI_VERIFIER}" \
+      --cap "$cap" --prompts /tmp/heldout.jsonl --trials "${TRIALS:-3}" --json $O/ab.json \
+      > $O/ab.log 2>&1 || ended $? "compile_ab"
+    grep -vE "^\s*$" $O/ab.log | tail -6
+    ;;
   solo-compile)  # compiled verify layers (verifier option compile_layers), A/B in one process
     # per target (benchmarks/compile_ab.py: greedy and DSpark at fixed k = CAP (default 5),
     # option off and on, 4 prompts x TRIALS (default 3), 128 tokens): 4-bit through MLX's stock
