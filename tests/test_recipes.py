@@ -39,7 +39,7 @@ def test_tool_defaults_fill_only_slots_the_user_left_out():
 
     recipe = loads_recipe("version: 1\n", defaults=TOOL_DEFAULTS)
     assert recipe.verifier.kind == "kernels" and recipe.verifier.invariant
-    assert recipe.verifier.compile_layers
+    assert recipe.verifier.compile_layers and recipe.verifier.fuse_projections
     library = loads_recipe("version: 1\n").verifier  # the library's default
     assert library.kind == "reference" and not library.compile_layers
     mine = loads_recipe("verifier: {kind: reference}\n", defaults=TOOL_DEFAULTS)
