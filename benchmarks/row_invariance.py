@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Does a verify forward of K rows compute each row's logits as a one-row forward does?
+
+    python benchmarks/row_invariance.py                                  # the library's verifier
+    python benchmarks/row_invariance.py --verifier "{kind: kernels, invariant: true, \\
+        compile_layers: true, fuse_projections: true}" --weights native
+
+After a context of `--context` tokens, runs 16 one-row forwards (the logits plain greedy decoding
+would see), trims the cache back, then one forward of K rows for K = 2..16 over the same tokens,
+and counts the rows whose logits differ from the one-row ones in any bit, with the largest
+absolute difference. Speculation at temperature 0 equals greedy token for token only where the
+count is 0 for every K it verifies (or where no argmax is that close to a tie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import mlx.core as mx
+    import yaml
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dspark_flow.pipeline import Pipeline
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--verifier", default="{kind: reference}", help="the verifier section (YAML)")
+    p.add_argument("--weights", default="auto", help="the target's weight format")
+    p.add_argument("--context", type=int, default=120, help="context tokens before the rows")
+    p.add_argument("--json", metavar="FILE", help="also write the figures here")
+    args = p.parse_args(argv)
+
+    recipe = {"verifier": yaml.safe_load(args.verifier), "target": {"weights": args.weights}}
+    pipe = Pipeline.from_dict(recipe).warm_up()
+    model, verifier = pipe.components.model, pipe.verifier
+    context = [(17 * i + 3) % 4000 + 100 for i in range(args.context)]
+    rows = [(31 * r + 7) % 4000 + 50 for r in range(16)]
+    cache = make_prompt_cache(model)
+    mx.eval(verifier.forward(model, context, cache))
+    one = []
+    for token in rows:
+        logits = verifier.forward(model, [token], cache)
+        mx.eval(logits)
+        one.append(logits[-1])
+    for c in cache:
+        c.trim(len(rows))
+    figures = {
+        "verifier": recipe["verifier"],
+        "weights": args.weights,
+        "device": str(mx.default_device()),
+    }
+    by_k = {}
+    for k in range(2, len(rows) + 1):
+        logits = verifier.forward(model, rows[:k], cache)
+        mx.eval(logits)
+        for c in cache:
+            c.trim(k)
+        differ = sum(int(not mx.array_equal(logits[i], one[i]).item()) for i in range(k))
+        worst = max(float(mx.abs(logits[i] - one[i]).max().item()) for i in range(k))
+        by_k[k] = {"rows_differing": differ, "max_abs_diff": worst}
+        print(
+            f"K={k:2d}: {differ:2d} of {k} rows differ from one-row logits, max |diff| {worst:.3g}"
+        )
+    figures["by_k"] = by_k
+    invariant_to = max(
+        [1] + [k for k in by_k if all(by_k[j]["rows_differing"] == 0 for j in range(2, k + 1))]
+    )
+    figures["invariant_up_to_rows"] = invariant_to
+    print(f"rows computed alike: 1..{invariant_to}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
