@@ -400,6 +400,34 @@ def probe_stock_span(
     return _span_verdict(key, "matmul", "rows", measure, store, force)
 
 
+def probe_dense_span(
+    max_rows: int,
+    n: int,
+    k: int,
+    dtype: mx.Dtype,
+    store: VerdictCache | None = None,
+    force: bool = False,
+) -> Verdict:
+    """How many rows (of 1..max_rows) MLX's own dense matmul `x @ w.T` computes exactly as it
+    computes one row, for this shape on this machine: `extra["span"]`; two random draws (the
+    smaller span counts), cached like the kernels' verdicts."""
+    from dspark_flow.kernels import stock_rows as sr
+
+    key = ProbeKey.make("dense_row_span", "1", "dense", max_rows, n, k, dtype_name(dtype))
+
+    def make(seed: int) -> tuple[Any, ...]:
+        kx, kw = mx.random.split(mx.random.key(seed))
+        x = mx.random.normal((max_rows, k), key=kx).astype(dtype)
+        w = (mx.random.normal((n, k), key=kw) * 0.05).astype(dtype)
+        mx.eval(x, w)
+        return x, w, None, None, 0, 0
+
+    def measure() -> int:
+        return min(sr.invariant_span(*make(seed), matmul=sr.dense_reference) for seed in (0, 1))
+
+    return _span_verdict(key, "dense matmul", "rows", measure, store, force)
+
+
 def _span_verdict(
     key: ProbeKey,
     what: str,

@@ -1,5 +1,5 @@
-"""MLX's own quantized matmul, kept row-invariant: in chunks no larger than the row count up to
-which its kernel computes every row alike.
+"""MLX's own ops kept row-invariant: its quantized matmul, its dense matmul and its attention,
+in chunks no larger than the row count up to which each computes every row alike.
 
 Why: the verifier's invariant mode needs a token's logits not to depend on how many tokens
 one forward holds. MLX's CUDA backend runs a per-row kernel (qmv) for a few rows and a tiled
@@ -13,11 +13,19 @@ a one-row forward.
 The span is measured, not assumed: `invariant_span` compares each row of an M-row product
 with the one-row product of that row, bit for bit, for M = 1..max_rows on random inputs.
 
-Twin: `mx.quantized_matmul` on all rows at once (the values the chunks must match to within
-rounding; bitwise wherever the span holds).
+The CPU (measured 2026-12-01, docs/kernels.md): MLX's float32 forward of the embedded target
+computes 1..3 rows as one row and differs in the last bits from 4 rows on. Its attention is
+what breaks first (3 query rows); its dense matmul keeps 12 rows alike there. `dense_chunked`
+and `attention_chunked` give the invariant mode its CPU routes: the same ops, in chunks of
+their spans.
+
+Twins: `mx.quantized_matmul` / `x @ w.T` / MLX's attention on all rows at once (the values
+the chunks must match to within rounding; bitwise wherever the span holds).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -85,3 +93,56 @@ def invariant_span(
             break
         span = m
     return span  # 0: not even one row repeats (a non-deterministic kernel)
+
+
+def dense_reference(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array | None = None,
+    biases: mx.array | None = None,
+    group_size: int = 0,
+    bits: int = 0,
+) -> mx.array:
+    """MLX's dense matmul `x @ w.T`, in the quantized kernels' calling convention (the
+    quantization arguments are ignored)."""
+    return x @ w.T
+
+
+def dense_chunked(chunk: int) -> Callable[..., mx.array]:
+    """MLX's dense matmul over chunks of at most `chunk` rows, as a route."""
+
+    def dense_stock_chunks(x: mx.array, w: mx.array, *quantization: object) -> mx.array:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        parts = [rows[i : i + chunk] @ w.T for i in range(0, rows.shape[0], chunk)]
+        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        return y.reshape(*lead, w.shape[0])
+
+    return dense_stock_chunks
+
+
+def attention_chunked(chunk: int) -> Callable[..., mx.array]:
+    """MLX's attention over causal query chunks of at most `chunk` rows, as a route: query row
+    i of an M-row call over N keys sees the first N - M + i + 1 keys, in whichever chunk it
+    falls (one query goes without a mask, as mlx-lm calls it)."""
+
+    def attention_stock_chunks(
+        q: mx.array, k: mx.array, v: mx.array, scale: float, mask: object = None
+    ) -> mx.array:
+        rows, keys = q.shape[2], k.shape[2]
+        parts = []
+        for start in range(0, rows, chunk):
+            end = min(rows, start + chunk)
+            seen = keys - rows + end
+            parts.append(
+                mx.fast.scaled_dot_product_attention(
+                    q[:, :, start:end],
+                    k[:, :, :seen],
+                    v[:, :, :seen],
+                    scale=scale,
+                    mask="causal" if end - start > 1 else None,
+                )  # fmt: skip
+            )
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    return attention_stock_chunks

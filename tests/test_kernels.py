@@ -144,6 +144,81 @@ def test_stock_chunks_compute_each_row_as_one_row():
     assert y.shape == (2, 8, 1536) and mx.array_equal(y.reshape(16, 1536), singles).item()
 
 
+def test_dense_chunks_compute_each_row_as_one_row_within_the_measured_span():
+    """The CPU's dense route: MLX's own `x @ w.T`, in chunks of its probed span."""
+    mx.random.seed(2)
+    x, w = mx.random.normal((16, 576)), mx.random.normal((1536, 576)) * 0.05
+    span = sr.invariant_span(x, w, None, None, 0, 0, matmul=sr.dense_reference)
+    assert span >= 1
+    singles = mx.concatenate([x[i : i + 1] @ w.T for i in range(16)])
+    for chunk in sorted({1, span}):
+        out = sr.dense_chunked(chunk)(x.reshape(2, 8, 576), w)  # leading dims kept
+        assert out.shape == (2, 8, 1536)
+        assert mx.array_equal(out.reshape(16, 1536), singles).item()
+    whole = sr.dense_reference(x, w)  # the twin: the same values within rounding
+    assert mx.allclose(sr.dense_chunked(span)(x, w), whole, atol=1e-5).item()
+
+
+def test_attention_chunks_compute_each_query_as_one_query_call():
+    """The CPU's attention route: MLX's own attention in causal query chunks of its span."""
+    q, k, v, scale, _ = a.attention_inputs(16, 300, 9, 3, 64, mx.float32)(0)
+    singles = sv.sdpa_vector_rows_reference(q, k, v, scale, "causal")  # one query per call
+    span = sv.stock_span(q, k, v, scale)
+    assert span >= 1
+    for chunk in sorted({1, span}):
+        out = sr.attention_chunked(chunk)(q, k, v, scale, "causal")
+        assert mx.array_equal(out, singles).item(), chunk
+    whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    assert mx.allclose(
+        sr.attention_chunked(span)(q, k, v, scale, "causal"), whole, atol=1e-5
+    ).item()
+
+
+def test_dense_span_probe_is_cached(kernel_cache):
+    first = probe.probe_dense_span(4, 192, 576, mx.float32)
+    again = probe.probe_dense_span(4, 192, 576, mx.float32)
+    assert first.extra["span"] >= 1 and not first.cached
+    assert again.cached and again.extra == first.extra
+
+
+@cpu_only
+@pytest.mark.parametrize("weights", ["auto", "native"])
+def test_invariant_mode_on_the_cpu_computes_every_verify_row_as_one_row(weights):
+    """The CLI's stack on the CPU (no kernel runs there): MLX's own matmuls and attention in
+    chunks of their probed spans. A verify forward of K = 2..16 rows gives each row the logits
+    (and the cache) of one-row forwards, bit for bit: speculation reproduces greedy exactly."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dspark_flow.api import load_target
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
+
+    target = load_target(weights=weights)
+    pipe = Pipeline.from_dict({"verifier": dict(TOOL_DEFAULTS["verifier"])}, target=target)
+    pipe.warm_up()
+    model, verifier = target[0], pipe.verifier
+    try:
+        assert verifier._take_correct and not verifier._not_invariant
+        context = [(17 * i + 3) % 4000 + 100 for i in range(120)]
+        rows = [(31 * r + 7) % 4000 + 50 for r in range(16)]
+        cache = make_prompt_cache(model)
+        mx.eval(verifier.forward(model, context, cache))
+        one = []
+        for token in rows:
+            logits = verifier.forward(model, [token], cache)
+            mx.eval(logits)
+            one.append(logits[-1])
+        for c in cache:
+            c.trim(16)
+        for k in (2, 4, 8, 16):
+            logits = verifier.forward(model, rows[:k], cache)
+            mx.eval(logits)
+            for c in cache:
+                c.trim(k)
+            assert all(mx.array_equal(logits[i], one[i]).item() for i in range(k)), k
+    finally:
+        verifier.restore()
+
+
 def test_invariant_span_finds_where_rows_start_to_differ():
     inputs = _inputs(192, 576, 4, rows=8)
 

@@ -24,7 +24,10 @@ from dspark_flow.log import get_logger
 
 log = get_logger()
 
-VERSION = 1  # bump when the file layout or the meaning of a curve changes
+# Bump when the file layout or the meaning of a curve changes. 2: the kernels verifier's
+# invariant mode now runs on the CPU too (MLX's attention and matmuls in chunks of their
+# row-invariant spans), so a CPU verify curve cached before times another forward.
+VERSION = 2
 ENV_DIR = "DSPARK_FLOW_CALIBRATION_DIR"  # separate from DSPARK_FLOW_HOME (which moves models too)
 
 

@@ -100,8 +100,19 @@ class KernelsConfig(LayerOptions):
     )
 
 
-def _quant_args(module: nn.Module) -> tuple[mx.array, mx.array, mx.array | None]:
-    return module["weight"], module["scales"], module.get("biases")
+def _dense(module: nn.Module, head: bool) -> bool:
+    """A float (unquantized) linear layer, or a float embedding (its `as_linear` is the tied
+    output head) where `head` asks for the head too."""
+    if isinstance(module, nn.QuantizedLinear) or "weight" not in module:
+        return False
+    float_weight = mx.issubdtype(module["weight"].dtype, mx.floating)
+    return float_weight and (
+        isinstance(module, nn.Linear) or (head and isinstance(module, nn.Embedding))
+    )
+
+
+def _quant_args(module: nn.Module) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    return module["weight"], module.get("scales"), module.get("biases")
 
 
 @dataclass(slots=True)
@@ -183,7 +194,7 @@ class _Router:
                 return None
             self.calls += 1
             w, s, b = _quant_args(module)
-            return fn(x, w, s, b, module.group_size, module.bits)
+            return fn(x, w, s, b, getattr(module, "group_size", 0), getattr(module, "bits", 0))
         share = route.shares.get(row_bucket(rows) or 0) if route.shares else None
         if share is None:
             return None
@@ -263,7 +274,9 @@ def _probe_bar(total: int, gpu: bool) -> Any:
 
 def _routed_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
-        method = "as_linear" if issubclass(cls, nn.QuantizedEmbedding) else "__call__"
+        method = (
+            "as_linear" if issubclass(cls, (nn.Embedding, nn.QuantizedEmbedding)) else "__call__"
+        )
         impl = _routed_as_linear if method == "as_linear" else _routed_linear_call
         _SUBCLASSES[cls] = type(f"Routed{cls.__name__}", (cls,), {method: impl})
     return _SUBCLASSES[cls]
@@ -313,6 +326,9 @@ class KernelVerifier(Verifier):
         for module in [m for _, m in model.named_modules() if id(m) not in stacked] + [
             s for s, _ in stacks
         ]:
+            if self._dense_routes_wanted() and _dense(module, self.config.head):
+                layers.append(module)  # MLX's own matmul, chunked past its span
+                continue
             if getattr(module, "mode", "affine") != "affine" or module.get("biases") is None:
                 continue  # the kernels implement affine quantization only
             if isinstance(module, nn.QuantizedLinear) or (
@@ -320,6 +336,11 @@ class KernelVerifier(Verifier):
             ):
                 layers.append(module)
         return layers
+
+    def _dense_routes_wanted(self) -> bool:
+        """Invariant mode on the CPU: no kernel runs there, and MLX's own dense matmul and
+        attention compute only a few rows alike (docs/kernels.md), so both are chunked."""
+        return self._take_correct and mx.default_device() == mx.cpu
 
     def _swap(self, layers: list[nn.Module]) -> None:
         for module in layers:
@@ -357,8 +378,12 @@ class KernelVerifier(Verifier):
             self._warm_up(ctx)
             self._compile_layers(ctx.model)
             # After the layers are compiled: their traces are what decoding will replay.
-            gpu_traces = self.compiled is not None and mx.default_device() != mx.cpu
-            if self.config.precompile and (self._router is not None or gpu_traces):
+            # A CPU compiles nothing at first use: its routes (MLX's own ops in chunks) need no
+            # precompiling, only kernels do (a GPU's, or kernels a caller injected).
+            gpu = mx.default_device() != mx.cpu
+            kernels = self._router is not None and (gpu or self._kernel is not None)
+            gpu_traces = self.compiled is not None and gpu
+            if self.config.precompile and (kernels or gpu_traces):
                 self._compile_row_counts(ctx.model)
         except BaseException:  # leave nothing half-routed; a later warm_up starts afresh
             if self._progress is not None:
@@ -396,6 +421,8 @@ class KernelVerifier(Verifier):
         if not self.config.invariant:
             return False
         if self.config.attention and a.kernel_backend() is None and self._attention_kernel is None:
+            if mx.default_device() == mx.cpu:  # MLX's own attention, in chunks of its span
+                return True
             log.info("kernels verifier: no attention kernel on this backend: invariant mode off")
             return False
         return True
@@ -431,8 +458,18 @@ class KernelVerifier(Verifier):
         for module in layers:
             if id(module) in seen:  # a layer the forward never calls is left alone
                 w, s, _ = _quant_args(module)
-                k = w.shape[1] * 32 // module.bits
-                shape = (w.shape[0], k, module.bits, module.group_size, seen[id(module)], s.dtype)
+                if s is None:  # dense (bits 0): the CPU's invariant routes
+                    shape = (w.shape[0], w.shape[1], 0, 0, seen[id(module)], w.dtype)
+                else:
+                    k = w.shape[1] * 32 // module.bits
+                    shape = (
+                        w.shape[0],
+                        k,
+                        module.bits,
+                        module.group_size,
+                        seen[id(module)],
+                        s.dtype,
+                    )
                 shapes.setdefault(shape, []).append(module)
         # Every kernel needs a GPU backend qmm_small_m knows (sdpa_small_q: CUDA, a subset).
         gpu = q.kernel_backend() is not None
@@ -483,6 +520,8 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels.probe import dtype_name, probe_qmm
 
         n, k, bits, gs, x_dtype, s_dtype = shape
+        if bits == 0:
+            return self._dense_routes(shape, store)
         kernel = self._kernel or q.qmm_small_m_trusted
         verdicts = []
         for rows in range(1, self._max_rows + 1):
@@ -496,6 +535,46 @@ class KernelVerifier(Verifier):
         if not self._take_correct:
             return [None] + [kernel if v.enabled else None for v in verdicts]
         return self._invariant_routes(shape, kernel, verdicts, store)
+
+    def _dense_routes(self, shape: tuple[Any, ...], store: Any) -> list[Callable[..., Any] | None]:
+        """A dense layer's invariant route on the CPU: MLX's own matmul for rows 1..span, which
+        it computes as it computes one row (measured: `probe_dense_span`), in chunks of the span
+        past it (None everywhere: the span covers every row count, nothing to reroute)."""
+        from dspark_flow.kernels import stock_rows
+        from dspark_flow.kernels.probe import dtype_name, probe_dense_span
+
+        n, k, _, _, x_dtype, _ = shape
+        top = self._max_rows
+        v = probe_dense_span(top, n, k, x_dtype, store, self.config.reprobe)
+        self._note("dense_row_span", v, rows=top, n=n, k=k, dtype=dtype_name(x_dtype))
+        span = min(int(v.extra.get("span", 0)), top)
+        if span == 0:
+            self._not_invariant.append(f"no invariant dense matmul for {n}x{k}: {v.reason}")
+            return [None] * (top + 1)
+        return [None] * (span + 1) + [stock_rows.dense_chunked(span)] * (top - span)
+
+    def _chunked_attention(self, shape: tuple[int, int, int, mx.Dtype], store: Any) -> Any:
+        """The attention's invariant route where no attention kernel runs (the CPU): per key
+        bucket MLX's own attention for the query counts it computes as one (its probed span),
+        in chunks of that span past them."""
+        from dspark_flow.kernels import stock_rows
+        from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa_stock_span
+
+        hq, hkv, d, dtype = shape
+        top = self._max_rows
+        route = _AttentionRoute(shape, open_ended=True)
+        for bucket in KEY_BUCKETS:
+            sp = probe_sdpa_stock_span(top, bucket, hq, hkv, d, dtype, store, self.config.reprobe)
+            self._note("sdpa_stock_span", sp, rows=top, keys=bucket, q_heads=hq, kv_heads=hkv,
+                       head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
+            span = min(int(sp.extra.get("span", 0)), top)
+            if span == 0:
+                self._not_invariant.append(f"no invariant attention: {sp.reason}")
+                return None
+            route.by_rows[bucket] = [None] * (span + 1) + [stock_rows.attention_chunked(span)] * (
+                top - span
+            )
+        return route
 
     def _invariant_routes(
         self, shape: tuple[Any, ...], kernel: Callable[..., Any], verdicts: list[Any], store: Any
@@ -594,6 +673,8 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
 
+        if self._dense_routes_wanted() and self._attention_kernel is None:
+            return self._chunked_attention(shape, store)
         hq, hkv, d, dtype = shape
         top = self._max_rows
         kernel = self._attention_kernel or a.sdpa_small_q_trusted
