@@ -15,8 +15,10 @@ cheapest per token by the probes. Layers are rerouted by swapping their class to
 router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
 model modules call (the wrapper passes through to the original unless a router is active;
 `restore()` undoes both). The router is active only inside this verifier's `forward`, so
-anything else running the same model gets the stock path. Where nothing is enabled (the CPU
-backend always) nothing is swapped or wrapped: output = `reference`.
+anything else running the same model gets the stock path. Where nothing is enabled nothing is
+swapped or wrapped: output = `reference`. On the CPU no kernel runs; there invariant mode routes
+the dense layers (and the tied head) and the attention through MLX's own ops in chunks of their
+probed row-invariant spans (`_dense_routes`, `_chunked_attention`), the only exact route there.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class KernelsConfig(LayerOptions):
         False,
         description="give every layer and the attention one route for all row counts "
         "1..max_rows that computes each row alike (MLX's own kernels within their measured "
-        "invariant span, bitwise twins of them past it, or our kernels; see prefer_stock): "
+        "invariant span, bitwise twins of them past it, or our kernels; see prefer_stock; on "
+        "the CPU MLX's own matmuls and attention in chunks of their spans): "
         "a token's logits then do not depend on how many tokens one forward holds, so "
         "speculation reproduces this verifier's own greedy output bit for bit",
     )
@@ -318,8 +321,9 @@ class KernelVerifier(Verifier):
     # -- routing ---------------------------------------------------------------------------
 
     def _layers(self, model: nn.Module) -> list[nn.Module]:
-        """The matmuls to route: the model's quantized layers; with fused projections, the
-        stacks in place of their parts (verify forwards call only the stacks)."""
+        """The matmuls to route: the model's quantized layers (on the CPU in invariant mode its
+        dense ones too); with fused projections, the stacks in place of their parts (verify
+        forwards call only the stacks)."""
         stacks = self.fused.stacks if self.fused is not None else []
         stacked = {id(p) for _, parts in stacks for p in parts}
         layers = []
@@ -413,8 +417,9 @@ class KernelVerifier(Verifier):
         return MAX_ROWS if longest is None else max(1, min(MAX_ROWS, longest + 1))
 
     def _invariant(self) -> bool:
-        """Invariant mode where it can hold: a backend with the attention kernel (Metal has none,
-        and its stock attention would break invariance anyway). It stays on without a drafter:
+        """Invariant mode where it can hold: a backend with the attention kernel, or the CPU
+        (MLX's own attention in chunks of its span); Metal has no attention kernel and its
+        chunked attention is not measured here, so it stays off there. It stays on without a drafter:
         plain greedy through this verifier must compute what speculation through it does."""
         from dspark_flow.kernels import sdpa_small_q as a
 
