@@ -64,7 +64,7 @@ dflow() { python3 -P -m dspark_flow.cli.main "$@"; }
 R=recipes/train/smollm2-135m
 # The sweeps' verifier unless VERIFIER names another: the CLI's stack (TOOL_DEFAULTS; `prefer_stock`
 # is the config's default, spelled out for the record in the logs)
-CLI_VERIFIER='{kind: kernels, invariant: true, compile_layers: true, prefer_stock: true}'
+CLI_VERIFIER='{kind: kernels, invariant: true, compile_layers: true, fuse_projections: true, prefer_stock: true}'
 
 data_done() {  # the marker of a complete data set, one per data recipe (DATA_RECIPE)
   echo "/tmp/data.done.$(basename "${DATA_RECIPE:-$R-dspark.yaml}" .yaml)"

@@ -407,18 +407,22 @@ def probe_dense_span(
     dtype: mx.Dtype,
     store: VerdictCache | None = None,
     force: bool = False,
+    w_dtype: mx.Dtype | None = None,
 ) -> Verdict:
     """How many rows (of 1..max_rows) MLX's own dense matmul `x @ w.T` computes exactly as it
     computes one row, for this shape on this machine: `extra["span"]`; two random draws (the
-    smaller span counts), cached like the kernels' verdicts."""
+    smaller span counts), cached like the kernels' verdicts. Activations in `dtype`, weights
+    in `w_dtype` (default the same)."""
     from dspark_flow.kernels import stock_rows as sr
 
-    key = ProbeKey.make("dense_row_span", "1", "dense", max_rows, n, k, dtype_name(dtype))
+    w_dtype = w_dtype or dtype
+    fmt = f"dense-{dtype_name(w_dtype)}"
+    key = ProbeKey.make("dense_row_span", "1", fmt, max_rows, n, k, dtype_name(dtype))
 
     def make(seed: int) -> tuple[Any, ...]:
         kx, kw = mx.random.split(mx.random.key(seed))
         x = mx.random.normal((max_rows, k), key=kx).astype(dtype)
-        w = (mx.random.normal((n, k), key=kw) * 0.05).astype(dtype)
+        w = (mx.random.normal((n, k), key=kw) * 0.05).astype(w_dtype)
         mx.eval(x, w)
         return x, w, None, None, 0, 0
 

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dspark_flow.models.compiled_layers import (
     CompiledLayers,
-    _attention_supported,
+    attention_supported,
     compiled_scope,
 )
 from tests.tiny import tiny_model
@@ -79,9 +79,9 @@ def test_unsupported_attention_keeps_the_stock_path():
 
     model = tiny_model(seed=3)
     attn = model.model.layers[0].self_attn
-    assert _attention_supported(attn)
+    assert attention_supported(attn)
     attn.q_norm = nn.RMSNorm(16)  # not called by llama's forward: only makes it look unsupported
-    assert not _attention_supported(attn)
+    assert not attention_supported(attn)
     stock = _forwards(model, [1, 4])
     compiled = CompiledLayers(max_rows=16)
     try:

@@ -11,7 +11,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dspark_flow.errors import RecipeError
 from dspark_flow.kernels import probe
 from dspark_flow.kernels import qmm_small_m as q
 from dspark_flow.models.compiled_layers import CompiledLayers
@@ -80,8 +79,10 @@ def test_layers_that_cannot_be_stacked_are_left_alone():
     assert stack_linears(_parts("q4") + _parts("f32")[:1]) is None  # quantized beside dense
     four, eight = _parts("q4"), _parts("q8")
     assert stack_linears([four[0], eight[1]]) is None  # other bits
-    assert stack_linears([nn.Linear(64, 8), nn.Linear(32, 8)]) is None  # other input widths
-    assert stack_linears([nn.Linear(64, 8, bias=True), nn.Linear(64, 8, bias=False)]) is None
+    widths = [nn.QuantizedLinear.from_linear(nn.Linear(k, 32), 32, 4) for k in (64, 128)]
+    assert stack_linears(widths) is None  # other input widths
+    biased = [nn.QuantizedLinear.from_linear(nn.Linear(64, 32, bias=b), 32, 4) for b in (1, 0)]
+    assert stack_linears(biased) is None  # one biased, one not
 
     assert len(FusedProjections.install(tiny_model(seed=4))) == 0  # dense: nothing stacked
     model = tiny_model(seed=4)
@@ -98,8 +99,24 @@ def test_layers_that_cannot_be_stacked_are_left_alone():
     fused = FusedProjections.install(model)
     assert len(fused) == 1 and fused.of(mlp) is None  # q/k/v stacked, the MLP not
     assert FusedProjections.install(model) is fused  # a second verifier: the same stacks
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = nn.QuantizedLinear.from_linear(nn.Linear(32, 32, bias=False), 32, 4)
+    again = FusedProjections.install(model)  # a part's weights were replaced: stacked afresh
+    assert again is not fused and again.of(attn).module.weight[:4].shape == (4, 4)
 
 
+def test_only_attentions_the_compiled_layers_run_are_stacked():
+    """A qwen3-style attention (q/k norms) keeps its own forward, which calls q/k/v: stacking
+    them would leave the parts it calls unrouted by the kernels verifier."""
+    model = tiny_model(seed=6)
+    nn.quantize(model, group_size=32, bits=4)
+    model.model.layers[0].self_attn.q_norm = nn.RMSNorm(16)
+    fused = FusedProjections.install(model)
+    assert fused.of(model.model.layers[0].self_attn) is None
+    assert fused.of(model.model.layers[0].mlp) is not None
+
+
+@pytest.mark.slow
 def test_fused_compiled_layers_compute_the_stock_values_bit_for_bit(native):
     model = native[0]
     rows = [1, 3, 16, 17]  # 17: past max_rows, the stock path through the parts
@@ -116,9 +133,18 @@ def test_fused_compiled_layers_compute_the_stock_values_bit_for_bit(native):
         assert mx.array_equal(a, b).item(), f"{r} rows differ"
 
 
-def test_fusion_without_compiled_layers_is_a_recipe_error():
-    with pytest.raises(RecipeError, match="fuse_projections needs compile_layers"):
-        Pipeline.from_dict({"verifier": {"kind": "reference", "fuse_projections": True}})
+def test_fusion_without_compiled_layers_does_nothing():
+    """Only the compiled path calls the stacks; `--set verifier.compile_layers=false` on the
+    CLI's stack (which fuses) must still build."""
+    model = tiny_model(seed=7)
+    nn.quantize(model, group_size=32, bits=4)
+    from dspark_flow.api import load_target
+
+    target = (model, load_target()[1])
+    pipe = Pipeline.from_dict(
+        {"verifier": {"kind": "reference", "fuse_projections": True}}, target=target
+    ).warm_up()
+    assert pipe.verifier.compiled is None and not pipe.verifier.config.fusing
 
 
 def test_the_kernels_verifier_routes_the_stacks_not_their_parts(monkeypatch):
@@ -171,6 +197,7 @@ def test_the_kernels_verifier_routes_the_stacks_not_their_parts(monkeypatch):
         verifier.restore()
 
 
+@pytest.mark.slow
 def test_speculation_through_fused_layers_reproduces_greedy_on_the_4bit_target(native):
     """The CLI's verifier stack with fused projections, the shipped DSpark drafter (its taps
     read the target's hidden states), against plain greedy through MLX's stock forward."""

@@ -196,12 +196,14 @@ def test_dense_span_probe_is_cached(kernel_cache):
     assert again.cached and again.extra == first.extra
 
 
+@pytest.mark.slow
 @cpu_only
-@pytest.mark.parametrize("weights", ["auto", "native"])
-def test_invariant_mode_on_the_cpu_computes_every_verify_row_as_one_row(weights):
+@pytest.mark.parametrize("weights, context", [("auto", 120), ("auto", 600), ("native", 120)])
+def test_invariant_mode_on_the_cpu_computes_every_verify_row_as_one_row(weights, context):
     """The CLI's stack on the CPU (no kernel runs there): MLX's own matmuls and attention in
     chunks of their probed spans. A verify forward of K = 2..16 rows gives each row the logits
-    (and the cache) of one-row forwards, bit for bit: speculation reproduces greedy exactly."""
+    of one-row forwards, bit for bit (the condition for speculation to reproduce greedy; at
+    two key buckets: 120 and 600 keys)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from dspark_flow.api import load_target
@@ -213,7 +215,11 @@ def test_invariant_mode_on_the_cpu_computes_every_verify_row_as_one_row(weights)
     model, verifier = target[0], pipe.verifier
     try:
         assert verifier._take_correct and not verifier._not_invariant
-        context = [(17 * i + 3) % 4000 + 100 for i in range(120)]
+        assert any(v["kernel"] == "dense_row_span" for v in verifier.verdicts) == (
+            weights == "auto"
+        )
+        assert verifier.matmul_routes()  # names the routed shapes, dense ones included
+        context = [(17 * i + 3) % 4000 + 100 for i in range(context)]
         rows = [(31 * r + 7) % 4000 + 50 for r in range(16)]
         cache = make_prompt_cache(model)
         mx.eval(verifier.forward(model, context, cache))

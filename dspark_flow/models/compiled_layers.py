@@ -52,7 +52,7 @@ def compiled_scope(compiled: CompiledLayers | None) -> contextlib.AbstractContex
     return compiled.scope() if compiled is not None else contextlib.nullcontext()
 
 
-def _attention_supported(attn: nn.Module) -> bool:
+def attention_supported(attn: nn.Module) -> bool:
     """The llama-family attention: q/k/v/o projections, head counts, a plain rotary embedding
     (what `_attention_pre` reproduces), and a model module exposing the attention function."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads", "scale", "rope")
@@ -148,7 +148,7 @@ class CompiledLayers:
         model may have swapped them already); returns how many modules take the compiled path."""
         for layer in find_layers(model):
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if attn is not None and _attention_supported(attn):
+            if attn is not None and attention_supported(attn):
                 self._swap(attn, _compiled_attention_call)
                 self.attention_layers += 1
             if mlp is not None and _mlp_supported(mlp):

@@ -5,8 +5,10 @@ not by arithmetic (docs/benchmarks.md §4: a one-token forward of the embedded t
 ~4.8 ms on the H200, a few hundred kernels of microseconds each). Stacking the weights of
 projections that read the same input turns seven matmuls a layer into four. Each output column
 of a quantized matmul is computed from its own weight row alone, so the fused outputs are the
-separate ones, concatenated (checked bit for bit in tests/test_fused_projections.py); only
-quantized layers are stacked (see `_stackable`).
+separate ones, concatenated: bit for bit on this repo's CPU (tests/test_fused_projections.py),
+the same tokens in every H200 A/B (a GPU kernel that picks its tiling by the output width could
+round otherwise; the kernels verifier probes each stack's own shape for its invariant routes).
+Only quantized layers are stacked (see `_stackable`).
 
 The fused modules live beside the model, not in its module tree: parameter names, the
 calibration key's fingerprint and every path that does not ask for them (mlx-lm's own
@@ -67,6 +69,9 @@ def _stackable(parts: list[nn.Module]) -> bool:
     ):
         return False
     keys = [tuple(k for k in _ARRAYS if k in p) for p in parts]
+    dtypes = {tuple(p[k].dtype for k in keys[0] if k in p) for p in parts}  # no promotion
+    if len(dtypes) != 1:
+        return False
     widths = {p["weight"].shape[1] for p in parts}
     return len(set(keys)) == 1 and len(widths) == 1 and all(p["weight"].ndim == 2 for p in parts)
 
@@ -79,7 +84,8 @@ def stack_linears(parts: list[nn.Module]) -> Fused | None:
     first = parts[0]
     fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
     nn.Module.__init__(fused)
-    fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, first.mode
+    fused.group_size, fused.bits = first.group_size, first.bits
+    fused.mode = getattr(first, "mode", "affine")
     keys = [k for k in _ARRAYS if k in first]
     for key in keys:
         fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
@@ -116,32 +122,49 @@ class FusedProjections:
 
     def __init__(self) -> None:
         self._by_module: dict[int, Fused] = {}  # by id of the attention or MLP module
-        self._parts: list[tuple[nn.Module, list[nn.Module]]] = []  # (stacked, its parts)
+        self._parts: list[tuple[nn.Module, list[nn.Module]]] = []  # (stack, its parts)
+        # (owner, its attribute names, the parts, the weight view each part was given)
+        self._sources: list[tuple[nn.Module, tuple[str, ...], list[nn.Module], list[mx.array]]] = []
 
     @classmethod
     def install(cls, model: nn.Module) -> FusedProjections:
-        """Stack the projections of every decoder layer where the attention is q/k/v-shaped
-        and the MLP a known swiglu MLP; layers of other shapes are left alone. A model
-        stacked before (pipelines sharing a target) gets the same stacks back."""
+        """Stack the projections of every decoder layer whose attention the compiled layers
+        run (`attention_supported`: only that path calls the stack) and whose MLP is a known
+        swiglu MLP; layers of other shapes are left alone. A model stacked before (pipelines
+        sharing a target) gets the same stacks back, unless a part's weights were replaced
+        since (loaded again, merged): then it is stacked afresh."""
+        from dspark_flow.models.compiled_layers import attention_supported  # it imports us
+
         known = _INSTALLED.get(id(model))
-        if known is not None and known[0]() is model:
+        if known is not None and known[0]() is model and known[1]._current():
             return known[1]
-        self = cls()
+        stacks = cls()
         for layer in find_layers(model):
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
-                self._add(attn, [attn.q_proj, attn.k_proj, attn.v_proj])
+            if attn is not None and attention_supported(attn):
+                stacks._add(attn, ("q_proj", "k_proj", "v_proj"))
             if mlp is not None and mlp_fusable(mlp):
-                self._add(mlp, [mlp.gate_proj, mlp.up_proj])
-        _INSTALLED[id(model)] = (weakref.ref(model), self)
+                stacks._add(mlp, ("gate_proj", "up_proj"))
+        _INSTALLED[id(model)] = (weakref.ref(model), stacks)
         weakref.finalize(model, _INSTALLED.pop, id(model), None)  # the stacks go with the model
-        return self
+        return stacks
 
-    def _add(self, owner: nn.Module, parts: list[nn.Module]) -> None:
+    def _current(self) -> bool:
+        """Every owner still holds its parts, and every part the view of its stack that
+        `stack_linears` gave it."""
+        return all(
+            getattr(owner, name) is part and part["weight"] is view
+            for owner, names, parts, views in self._sources
+            for name, part, view in zip(names, parts, views, strict=True)
+        )
+
+    def _add(self, owner: nn.Module, names: tuple[str, ...]) -> None:
+        parts = [getattr(owner, n) for n in names]
         fused = stack_linears(parts)
         if fused is not None:
             self._by_module[id(owner)] = fused
             self._parts.append((fused.module, parts))
+            self._sources.append((owner, names, parts, [p["weight"] for p in parts]))
 
     def of(self, owner: nn.Module) -> Fused | None:
         """The stacked projection of an attention or MLP module, if it has one."""

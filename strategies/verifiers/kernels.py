@@ -72,7 +72,11 @@ class KernelsConfig(LayerOptions):
         "so a first warm-up probes only the shapes decoding can use",
     )
     min_gain: float = Field(0.05, ge=0.0, description="speedup over the twin a kernel needs")
-    head: bool = Field(True, description="route the tied output head (QuantizedEmbedding) too")
+    head: bool = Field(
+        True,
+        description="route the tied output head (a quantized embedding; on the CPU in "
+        "invariant mode a float one too) as the other matmuls are routed",
+    )
     matmuls: bool = Field(True, description="route the quantized matmuls (qmm_small_m)")
     attention: bool = Field(True, description="route verify-side attention (sdpa_small_q)")
     invariant: bool = Field(
@@ -166,6 +170,8 @@ class _Router:
             return None  # quantized caches and attention sinks keep the stock path
         if mask is not None and not isinstance(mask, str):
             return None  # an explicit mask array (padding, windows): stock
+        if q.shape[2] > 1 and mask != "causal":
+            return None  # the routes compute causal attention (a verify's rows)
         if (q.shape[1], k.shape[1], q.shape[3], q.dtype) != route.shape or q.shape[0] != 1:
             return None
         rows, keys = q.shape[2], k.shape[2]
@@ -325,13 +331,20 @@ class KernelVerifier(Verifier):
         dense ones too); with fused projections, the stacks in place of their parts (verify
         forwards call only the stacks)."""
         stacks = self.fused.stacks if self.fused is not None else []
-        stacked = {id(p) for _, parts in stacks for p in parts}
+        # Prefills past max_rows run the stock forward, which calls the parts: with co-prefill
+        # they keep their routes (its shares), else verify forwards never call them.
+        stacked = set() if self.config.coprefill else {id(p) for _, ps in stacks for p in ps}
         layers = []
         for module in [m for _, m in model.named_modules() if id(m) not in stacked] + [
             s for s, _ in stacks
         ]:
-            if self._dense_routes_wanted() and _dense(module, self.config.head):
-                layers.append(module)  # MLX's own matmul, chunked past its span
+            if self._cpu_invariant() and _dense(module, self.config.head):
+                if "bias" in module:  # nn.Linear adds it inside its matmul (addmm): not probed
+                    self._not_invariant.append(
+                        f"a dense layer with a bias: {type(module).__name__}"
+                    )
+                else:
+                    layers.append(module)  # MLX's own matmul, chunked past its span
                 continue
             if getattr(module, "mode", "affine") != "affine" or module.get("biases") is None:
                 continue  # the kernels implement affine quantization only
@@ -341,7 +354,7 @@ class KernelVerifier(Verifier):
                 layers.append(module)
         return layers
 
-    def _dense_routes_wanted(self) -> bool:
+    def _cpu_invariant(self) -> bool:
         """Invariant mode on the CPU: no kernel runs there, and MLX's own dense matmul and
         attention compute only a few rows alike (docs/kernels.md), so both are chunked."""
         return self._take_correct and mx.default_device() == mx.cpu
@@ -362,6 +375,7 @@ class KernelVerifier(Verifier):
             module.__class__ = cls
         self._swapped.clear()
         _unwrap_attention(id(self))
+        self._router, self._warmed = None, None  # a later warm_up routes afresh
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -377,13 +391,14 @@ class KernelVerifier(Verifier):
         self._router, self._warmed, self.verdicts = None, None, []
         self._max_rows = rows
         try:
-            if self.config.fuse_projections:  # before routing: the stacked shapes get probed
+            if self.config.fusing:  # before routing: the stacked shapes get probed
                 self.fused = FusedProjections.install(ctx.model)
             self._warm_up(ctx)
             self._compile_layers(ctx.model)
             # After the layers are compiled: their traces are what decoding will replay.
-            # A CPU compiles nothing at first use: its routes (MLX's own ops in chunks) need no
-            # precompiling, only kernels do (a GPU's, or kernels a caller injected).
+            # A CPU has no kernels to compile at first use (its routes are MLX's own ops in
+            # chunks; the compiled layers trace as decoding meets each row count): only kernels,
+            # a GPU's or ones a caller injected, are precompiled.
             gpu = mx.default_device() != mx.cpu
             kernels = self._router is not None and (gpu or self._kernel is not None)
             gpu_traces = self.compiled is not None and gpu
@@ -438,6 +453,7 @@ class KernelVerifier(Verifier):
 
         cfg = self.config
         self._take_correct = self._invariant()
+        self._not_invariant.clear()
         layers = self._layers(ctx.model) if cfg.matmuls else []
         attention_modules = _attention_modules(ctx.model) if cfg.attention else []
         if not layers and not attention_modules:
@@ -479,7 +495,6 @@ class KernelVerifier(Verifier):
         # Every kernel needs a GPU backend qmm_small_m knows (sdpa_small_q: CUDA, a subset).
         gpu = q.kernel_backend() is not None
         self._progress = _probe_bar(self._probe_count(shapes, router), gpu=gpu)
-        self._not_invariant.clear()
         for (n, k, bits, gs, x_dtype, s_dtype), group in shapes.items():
             by_rows = self._matmul_routes((n, k, bits, gs, x_dtype, s_dtype), store)
             if any(fn is not None for fn in by_rows):
@@ -489,6 +504,9 @@ class KernelVerifier(Verifier):
                 self._probe_coprefill(router, group, n, k, bits, gs, x_dtype, s_dtype, store)
         if len(router.attention_seen) == 1:  # one attention shape: every layer alike
             router.attention = self._probe_attention(next(iter(router.attention_seen)), store)
+        elif self._take_correct and (router.attention_seen or not cfg.attention):
+            self._not_invariant.append("the attention is not routed (attention off, or several "
+                                       "attention shapes)")  # fmt: skip
         self._progress.close()
         self._progress = None
         if router.attention is None:
@@ -548,17 +566,20 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels import stock_rows
         from dspark_flow.kernels.probe import dtype_name, probe_dense_span
 
-        n, k, _, _, x_dtype, _ = shape
+        n, k, _, _, x_dtype, w_dtype = shape
         top = self._max_rows
-        v = probe_dense_span(top, n, k, x_dtype, store, self.config.reprobe)
-        self._note("dense_row_span", v, rows=top, n=n, k=k, dtype=dtype_name(x_dtype))
+        v = probe_dense_span(top, n, k, x_dtype, store, self.config.reprobe, w_dtype)
+        self._note("dense_row_span", v, rows=top, n=n, k=k, dtype=dtype_name(x_dtype),
+                   weights=dtype_name(w_dtype))  # fmt: skip
         span = min(int(v.extra.get("span", 0)), top)
         if span == 0:
             self._not_invariant.append(f"no invariant dense matmul for {n}x{k}: {v.reason}")
             return [None] * (top + 1)
         return [None] * (span + 1) + [stock_rows.dense_chunked(span)] * (top - span)
 
-    def _chunked_attention(self, shape: tuple[int, int, int, mx.Dtype], store: Any) -> Any:
+    def _chunked_attention(
+        self, shape: tuple[int, int, int, mx.Dtype], store: Any
+    ) -> _AttentionRoute | None:
         """The attention's invariant route where no attention kernel runs (the CPU): per key
         bucket MLX's own attention for the query counts it computes as one (its probed span),
         in chunks of that span past them."""
@@ -678,7 +699,7 @@ class KernelVerifier(Verifier):
         from dspark_flow.kernels import sdpa_small_q as a
         from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa
 
-        if self._dense_routes_wanted() and self._attention_kernel is None:
+        if self._cpu_invariant() and self._attention_kernel is None:
             return self._chunked_attention(shape, store)
         hq, hkv, d, dtype = shape
         top = self._max_rows
@@ -800,12 +821,15 @@ class KernelVerifier(Verifier):
     def matmul_routes(self) -> dict[str, list[str]]:
         """Per routed layer shape ("NxK b<bits>"), what each row count 1..max_rows runs: "stock"
         or the name of the kernel (or chunked stock matmul) that replaces it."""
+        from dspark_flow.kernels.probe import dtype_name
+
         routes: dict[str, list[str]] = {}
         for module, _ in self._swapped if self._router is not None else []:
             route = self._router.routes.get(id(module))  # type: ignore[union-attr]
             if route is not None:
-                w = module["weight"]
-                shape = f"{w.shape[0]}x{w.shape[1] * 32 // module.bits} b{module.bits}"
+                w, bits = module["weight"], getattr(module, "bits", 0)
+                k = w.shape[1] * 32 // bits if bits else w.shape[1]
+                shape = f"{w.shape[0]}x{k} " + (f"b{bits}" if bits else dtype_name(w.dtype))
                 names = [getattr(fn, "__name__", "kernel") if fn else "stock"
                          for fn in route.by_rows[1:]]  # fmt: skip
                 routes[shape] = names + ["stock"] * (self._max_rows - len(names))
@@ -827,7 +851,8 @@ class KernelVerifier(Verifier):
         MLX's own ops, the compiled layers' fused kernels): measured there as first runs up to
         56x slower than later ones (benchmarks §3), a cost the first requests would otherwise
         pay. The probes' cached verdicts skip the compiling probe runs, so nothing else warms
-        these shapes; a CPU with no routes traces the compiled layers as decoding meets them."""
+        these shapes. Not run on a CPU (unless kernels were injected): nothing there compiles
+        kernels at first use, and the compiled layers trace as decoding meets each row count."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)

@@ -33,7 +33,7 @@ class ReferenceVerifier(Verifier):
             return
         if self.compiled is not None:  # warmed for another model before
             self.compiled.restore()
-        fused = FusedProjections.install(ctx.model) if self.config.fuse_projections else None
+        fused = FusedProjections.install(ctx.model) if self.config.fusing else None
         self.compiled = CompiledLayers(MAX_ROWS, fused)
         self.compiled.install(ctx.model)
         self._model_id = id(ctx.model)
