@@ -29,8 +29,8 @@ import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
 def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     import yaml
-    from mlx_lm.models.cache import make_prompt_cache
 
+    from dspark_flow.models.row_invariance import row_differences, synthetic_tokens
     from dspark_flow.pipeline import Pipeline
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,30 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     recipe = {"verifier": yaml.safe_load(args.verifier), "target": {"weights": args.weights}}
     pipe = Pipeline.from_dict(recipe).warm_up()
     model, verifier = pipe.components.model, pipe.verifier
-    context = [(17 * i + 3) % 4000 + 100 for i in range(args.context)]
-    rows = [(31 * r + 7) % 4000 + 50 for r in range(16)]
-    cache = make_prompt_cache(model)
-    mx.eval(verifier.forward(model, context, cache))
-    one = []
-    for token in rows:
-        logits = verifier.forward(model, [token], cache)
-        mx.eval(logits)
-        one.append(logits[-1])
-    for c in cache:
-        c.trim(len(rows))
+    context = synthetic_tokens(args.context)
+    rows = synthetic_tokens(16, salt=1)
     figures = {
         "verifier": recipe["verifier"],
         "weights": args.weights,
         "device": str(mx.default_device()),
     }
     by_k = {}
-    for k in range(2, len(rows) + 1):
-        logits = verifier.forward(model, rows[:k], cache)
-        mx.eval(logits)
-        for c in cache:
-            c.trim(k)
-        differ = sum(int(not mx.array_equal(logits[i], one[i]).item()) for i in range(k))
-        worst = max(float(mx.abs(logits[i] - one[i]).max().item()) for i in range(k))
+    for k, d in row_differences(verifier, model, context, rows, range(2, 17)).items():
+        differ, worst = d.rows_differing, d.max_abs_diff
         by_k[k] = {"rows_differing": differ, "max_abs_diff": worst}
         print(
             f"K={k:2d}: {differ:2d} of {k} rows differ from one-row logits, max |diff| {worst:.3g}"

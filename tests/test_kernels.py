@@ -204,9 +204,8 @@ def test_invariant_mode_on_the_cpu_computes_every_verify_row_as_one_row(weights,
     chunks of their probed spans. A verify forward of K = 2..16 rows gives each row the logits
     of one-row forwards, bit for bit (the condition for speculation to reproduce greedy; at
     two key buckets: 120 and 600 keys)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     from dspark_flow.api import load_target
+    from dspark_flow.models.row_invariance import row_differences, synthetic_tokens
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
     target = load_target(weights=weights)
@@ -219,23 +218,10 @@ def test_invariant_mode_on_the_cpu_computes_every_verify_row_as_one_row(weights,
             weights == "auto"
         )
         assert verifier.matmul_routes()  # names the routed shapes, dense ones included
-        context = [(17 * i + 3) % 4000 + 100 for i in range(context)]
-        rows = [(31 * r + 7) % 4000 + 50 for r in range(16)]
-        cache = make_prompt_cache(model)
-        mx.eval(verifier.forward(model, context, cache))
-        one = []
-        for token in rows:
-            logits = verifier.forward(model, [token], cache)
-            mx.eval(logits)
-            one.append(logits[-1])
-        for c in cache:
-            c.trim(16)
-        for k in (2, 4, 8, 16):
-            logits = verifier.forward(model, rows[:k], cache)
-            mx.eval(logits)
-            for c in cache:
-                c.trim(k)
-            assert all(mx.array_equal(logits[i], one[i]).item() for i in range(k)), k
+        found = row_differences(
+            verifier, model, synthetic_tokens(context), synthetic_tokens(16, 1), (2, 4, 8, 16)
+        )
+        assert all(d.rows_differing == 0 for d in found.values()), found
     finally:
         verifier.restore()
 
