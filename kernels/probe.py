@@ -47,14 +47,20 @@ def cache_dir() -> Path:
 
 @cache
 def environment() -> dict[str, str]:
-    """What a verdict depends on besides the shape: backend, device name, MLX version."""
-    from dspark_flow.models.backend import backend_name
+    """What a verdict depends on besides the shape: backend, device name, MLX version, and the
+    CPU's BLAS (which library, how many threads: its blocking decides the CPU's row-invariant
+    spans, and co-prefill runs on it)."""
+    from dspark_flow.models.backend import backend_name, blas_status
 
     try:
         device = str(mx.device_info().get("device_name", "unknown"))
     except Exception:  # older MLX or a backend without device_info
         device = "unknown"
-    return {"backend": backend_name(), "device": device, "mlx": mx.__version__}
+    status = blas_status()
+    library = str(status.get("openblas")) if status.get("active") else "reference"
+    threads = os.environ.get("OPENBLAS_NUM_THREADS") or str(os.cpu_count())
+    blas = f"{library}|threads={threads}"
+    return {"backend": backend_name(), "device": device, "mlx": mx.__version__, "blas": blas}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -73,6 +79,7 @@ class ProbeKey:
     backend: str
     device: str
     mlx: str
+    blas: str
 
     @classmethod
     def make(cls, kernel: str, version: str, fmt: str, rows: int, n: int, k: int, dtype: str):

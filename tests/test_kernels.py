@@ -274,13 +274,15 @@ def test_probe_cache_is_keyed_and_invalidated(monkeypatch, kernel_cache):
     assert run(rows=3)[1] and run(n=576)[1]  # another shape: probed
     assert run(force=True)[1]  # reprobe on request
     env = dict(probe.environment())
-    for field, value in [("mlx", "9.9.9"), ("device", "Other GPU"), ("backend", "cuda")]:
+    changes = [("mlx", "9.9.9"), ("device", "Other GPU"), ("backend", "cuda"),
+               ("blas", "reference|threads=1")]  # fmt: skip
+    for field, value in changes:
         monkeypatch.setattr(probe, "environment", lambda f=field, v=value: {**env, f: v})
-        assert run()[1], field  # changing MLX version / device / backend re-probes
+        assert run()[1], field  # changing MLX version / device / backend / BLAS re-probes
     monkeypatch.setattr(probe, "environment", lambda: env)
     path = kernel_cache / probe.CACHE_FILE
     data = json.loads(path.read_text())
-    assert len(data["entries"]) == 6
+    assert len(data["entries"]) == 7
     path.write_text(json.dumps({**data, "version": probe.CACHE_VERSION + 1}))
     assert run()[1]  # a file of another version is ignored
     path.write_text("{not json")

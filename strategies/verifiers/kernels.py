@@ -330,7 +330,7 @@ class KernelVerifier(Verifier):
         """The matmuls to route: the model's quantized layers (on the CPU in invariant mode its
         dense ones too); with fused projections, the stacks in place of their parts (verify
         forwards call only the stacks)."""
-        stacks = self.fused.stacks if self.fused is not None else []
+        stacks = self._stacks()
         # Prefills past max_rows run the stock forward, which calls the parts: with co-prefill
         # they keep their routes (its shares), else verify forwards never call them.
         stacked = set() if self.config.coprefill else {id(p) for _, ps in stacks for p in ps}
@@ -353,6 +353,10 @@ class KernelVerifier(Verifier):
             ):
                 layers.append(module)
         return layers
+
+    def _stacks(self) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """The fused projections' (stack, parts), none without `fuse_projections`."""
+        return self.fused.stacks if self.fused is not None else []
 
     def _cpu_invariant(self) -> bool:
         """Invariant mode on the CPU: no kernel runs there, and MLX's own dense matmul and
@@ -460,7 +464,7 @@ class KernelVerifier(Verifier):
             log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
         router = _Router(self._max_rows)
-        stacked = [p for _, parts in self.fused.stacks for p in parts] if self.fused else []
+        stacked = [p for _, parts in self._stacks() for p in parts]
         self._swap(layers + stacked)  # the parts too: the recording forward below calls them
         for name in attention_modules:
             _wrap_attention(name, id(self))
@@ -471,7 +475,7 @@ class KernelVerifier(Verifier):
         finally:
             _ROUTER.reset(token)
         seen, router.recording = router.recording, None
-        for stack, parts in self.fused.stacks if self.fused is not None else []:
+        for stack, parts in self._stacks():
             if id(parts[0]) in seen:  # the stock forward calls the parts, decoding the stack
                 seen[id(stack)] = seen[id(parts[0])]
         store = VerdictCache()
