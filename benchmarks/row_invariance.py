@@ -90,7 +90,7 @@ def _time_forwards(
     import time
 
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     caches = {}
     for name, v in verifiers.items():
@@ -105,8 +105,7 @@ def _time_forwards(
                 mx.eval(v.forward(model, [7] * k, caches[name]))
                 if i >= 2:
                     times[name].append((time.perf_counter() - start) * 1e3)
-                for c in caches[name]:
-                    c.trim(k)
+                trim_prompt_cache(caches[name], k)
         out[k] = tuple(round(statistics.median(times[n]), 2) for n in verifiers)
     return out
 

@@ -45,23 +45,26 @@ def qmm_stock_chunked(
 ) -> mx.array:
     """`x @ dequant(w).T` by MLX's quantized matmul over chunks of at most `chunk` rows.
     x: (..., K); the leading dimensions are flattened into rows and restored."""
+    return _in_row_chunks(
+        x,
+        chunk,
+        w.shape[0],
+        lambda rows: mx.quantized_matmul(
+            rows, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+        ),
+    )
+
+
+def _in_row_chunks(
+    x: mx.array, chunk: int, n: int, matmul: Callable[[mx.array], mx.array]
+) -> mx.array:
+    """`matmul` over chunks of at most `chunk` rows of x (..., K), its leading dimensions
+    flattened into rows and restored around the n outputs."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    parts = [
-        mx.quantized_matmul(
-            rows[i : i + chunk],
-            w,
-            scales,
-            biases,
-            transpose=True,
-            group_size=group_size,
-            bits=bits,
-        )  # fmt: skip
-        for i in range(0, m, chunk)
-    ]
+    parts = [matmul(rows[i : i + chunk]) for i in range(0, rows.shape[0], chunk)]
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-    return y.reshape(*lead, w.shape[0])
+    return y.reshape(*lead, n)
 
 
 def chunked(chunk: int):
@@ -112,11 +115,7 @@ def dense_chunked(chunk: int) -> Callable[..., mx.array]:
     """MLX's dense matmul over chunks of at most `chunk` rows, as a route."""
 
     def dense_stock_chunks(x: mx.array, w: mx.array, *quantization: object) -> mx.array:
-        lead, k = x.shape[:-1], x.shape[-1]
-        rows = x.reshape(-1, k)
-        parts = [rows[i : i + chunk] @ w.T for i in range(0, rows.shape[0], chunk)]
-        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        return y.reshape(*lead, w.shape[0])
+        return _in_row_chunks(x, chunk, w.shape[0], lambda rows: rows @ w.T)
 
     return dense_stock_chunks
 

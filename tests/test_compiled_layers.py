@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from dspark_flow.models.compiled_layers import (
     CompiledLayers,
@@ -28,8 +28,7 @@ def _forwards(model, rows_list, compiled=None):
             logits = model(ids, cache=cache)
         mx.eval(logits)
         out.append(logits)
-        for c in cache:
-            c.trim(rows)
+        trim_prompt_cache(cache, rows)
     return out
 
 

@@ -47,6 +47,15 @@ class Fused:
     splits: tuple[int, ...]  # output columns where each part after the first begins
 
 
+@dataclass(frozen=True)
+class _Entry:
+    owner: nn.Module  # the attention or MLP
+    names: tuple[str, ...]  # its projections' attribute names
+    parts: list[nn.Module]  # those projections, when stacked
+    views: list[mx.array]  # the weight view each part was given (replaced: stack afresh)
+    fused: Fused
+
+
 def _own_class(module: nn.Module) -> type:
     """The module's class before a verifier compiled it (a user's subclass stays itself)."""
     from dspark_flow.models.compiled_layers import base_class  # it imports this module
@@ -122,9 +131,7 @@ class FusedProjections:
 
     def __init__(self) -> None:
         self._by_module: dict[int, Fused] = {}  # by id of the attention or MLP module
-        self._parts: list[tuple[nn.Module, list[nn.Module]]] = []  # (stack, its parts)
-        # (owner, its attribute names, the parts, the weight view each part was given)
-        self._sources: list[tuple[nn.Module, tuple[str, ...], list[nn.Module], list[mx.array]]] = []
+        self._entries: list[_Entry] = []  # one per stack, in layer order
 
     @classmethod
     def install(cls, model: nn.Module) -> FusedProjections:
@@ -153,9 +160,9 @@ class FusedProjections:
         """Every owner still holds its parts, and every part the view of its stack that
         `stack_linears` gave it."""
         return all(
-            getattr(owner, name) is part and part["weight"] is view
-            for owner, names, parts, views in self._sources
-            for name, part, view in zip(names, parts, views, strict=True)
+            getattr(e.owner, name) is part and part["weight"] is view
+            for e in self._entries
+            for name, part, view in zip(e.names, e.parts, e.views, strict=True)
         )
 
     def _add(self, owner: nn.Module, names: tuple[str, ...]) -> None:
@@ -163,8 +170,7 @@ class FusedProjections:
         fused = stack_linears(parts)
         if fused is not None:
             self._by_module[id(owner)] = fused
-            self._parts.append((fused.module, parts))
-            self._sources.append((owner, names, parts, [p["weight"] for p in parts]))
+            self._entries.append(_Entry(owner, names, parts, [p["weight"] for p in parts], fused))
 
     def of(self, owner: nn.Module) -> Fused | None:
         """The stacked projection of an attention or MLP module, if it has one."""
@@ -175,7 +181,7 @@ class FusedProjections:
         """(stacked projection, the projections it computes): a verifier routing matmuls routes
         the stacks, and learns a stack's input from its parts (the stock forward calls only
         the parts)."""
-        return list(self._parts)
+        return [(e.fused.module, e.parts) for e in self._entries]
 
     def __len__(self) -> int:
         return len(self._by_module)

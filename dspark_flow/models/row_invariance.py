@@ -30,7 +30,7 @@ def row_differences(
 ) -> dict[int, RowDifference]:
     """After `context`, the logits of one-row forwards over `rows` (what greedy sees), then for
     each K in `ks` one forward of the first K rows (the cache trimmed back every time)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     cache = make_prompt_cache(model)
     mx.eval(verifier.forward(model, context, cache))
@@ -39,18 +39,13 @@ def row_differences(
         logits = verifier.forward(model, [token], cache)
         mx.eval(logits)
         one.append(logits[-1])
-    _trim(cache, len(rows))
+    trim_prompt_cache(cache, len(rows))
     out = {}
     for k in ks:
         logits = verifier.forward(model, rows[:k], cache)
         mx.eval(logits)
-        _trim(cache, k)
+        trim_prompt_cache(cache, k)
         differ = sum(int(not mx.array_equal(logits[i], one[i]).item()) for i in range(k))
         worst = max(float(mx.abs(logits[i] - one[i]).max().item()) for i in range(k))
         out[k] = RowDifference(differ, worst)
     return out
-
-
-def _trim(cache: list[Any], rows: int) -> None:
-    for entry in cache:
-        entry.trim(rows)

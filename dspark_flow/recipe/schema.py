@@ -29,9 +29,10 @@ SLOT_DEFAULTS: dict[str, Any] = {
 # What the command line (run, bench, calibrate) and the server fill in where a recipe leaves a
 # slot out; the library keeps SLOT_DEFAULTS. The kernels verifier takes a kernel only where its
 # probe on this machine found it correct (and, invariant, keeps every row count on the same
-# arithmetic so that speculation reproduces greedy bit for bit); where no kernel runs (the CPU
-# always) it is the reference verifier. `compile_layers` compiles each layer's MLP and the
-# attention's stateless parts for verify-sized forwards (same values, fewer host-side operations:
+# arithmetic so that speculation reproduces greedy bit for bit); on the CPU, where no kernel
+# runs, MLX's own matmuls and attention in chunks of their row-invariant spans.
+# `compile_layers` compiles each layer's MLP and the attention's stateless parts for
+# verify-sized forwards (same values, fewer host-side operations:
 # docs/benchmarks.md §4, "compiled verify layers"); `fuse_projections` stacks each layer's q/k/v
 # and gate/up quantized matmuls there (4-bit targets; same values; +3-4% on the H200, §4).
 TOOL_DEFAULTS: dict[str, Any] = {

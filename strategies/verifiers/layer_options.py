@@ -9,8 +9,8 @@ from dspark_flow.strategy import StrategyConfig
 
 FUSE_PROJECTIONS_HELP = (
     "with compile_layers (no effect without it): each attention's q/k/v and each swiglu "
-    "MLP's gate/up run as one "
-    "stacked matmul on the compiled path (seven matmuls a layer become four; the same values, "
+    "MLP's gate/up run as one stacked matmul on the compiled path (seven matmuls a layer "
+    "become four; the same values, "
     "the separate projections become views of the stacked weights: no extra memory; "
     "dspark_flow/models/fused_projections.py)"
 )
