@@ -375,8 +375,8 @@ case "${1:-}" in
     # LEAN=1 drops the two full-block recipes. FUSED=1 adds `auto` with fuse_projections (probe
     # its stacked shapes first, e.g. compile_ab.py --option verifier.fuse_projections). PREFER_STOCK=1 adds `auto` with `prefer_stock` spelled
     # out (the 12:36 UTC run of 2026-12-01, when it was off by default; now kernels-auto is the same).
-    # BF16=1 adds the bf16 target (its kernels are probed here unless solo-first had
-    # KTARGETS=all: ~60-85 s; `LEAN=1 PREFER_STOCK=1 BF16=1 TRIALS=3` after a solo-first without it
+    # BF16=1 adds the bf16 target through the kernels (probed here unless solo-first had KTARGETS=all;
+    # BF16=stock adds it through MLX's own path instead, with nothing to probe; KTARGETS=all: ~60-85 s; `LEAN=1 PREFER_STOCK=1 BF16=1 TRIALS=3` after a solo-first without it
     # was cut at 536 s on 2026-12-01 ~12:55 UTC, still warming up: probe bf16 in solo-first).
     # The six-recipe version (bf16 included, layers not compiled) was
     # cut at 506 s on 2026-12-01 at ~10:10 UTC with an empty log: no mode had finished its warm-up.
@@ -400,9 +400,14 @@ case "${1:-}" in
       variant dspark kernels-auto-fused '{kind: auto}' auto '{kind: kernels, invariant: true, compile_layers: true, fuse_projections: true}'
       set -- "$@" /tmp/kernels-auto-fused.yaml
     fi
-    if [ -n "${BF16:-}" ]; then
-      variant dspark bf16-full '{kind: full_block}' auto '{kind: kernels, compile_layers: true}' bfloat16
-      set -- "$@" /tmp/bf16-full.yaml
+    if [ -n "${BF16:-}" ]; then  # BF16=stock: MLX's own bf16 path (compiled layers), nothing to probe
+      if [ "$BF16" = stock ]; then
+        variant dspark bf16-stock-auto '{kind: auto}' auto "$stock" bfloat16
+        set -- "$@" /tmp/bf16-stock-auto.yaml
+      else
+        variant dspark bf16-full '{kind: full_block}' auto '{kind: kernels, compile_layers: true}' bfloat16
+        set -- "$@" /tmp/bf16-full.yaml
+      fi
     fi
     bench_run e2e 0 "$@" --trials "${TRIALS:-2}"
     ;;
@@ -430,7 +435,7 @@ case "${1:-}" in
     wait
     ;;
   solo-lookup)
-    sweep lookup 2 $(upto 20) --ks 1-10 --verifier '{kind: kernels, invariant: true}' --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128
+    sweep lookup "${TRIALS:-2}" $(upto 20) --ks 1-10 --verifier "${VERIFIER:-$CLI_VERIFIER}" --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128
     ;;
   solo-pending)  # lazy greedy drafts (Draft.pending) against synced ones, A/B in one process per
     # verifier: DSpark at fixed k (CAP, default 5), 4 prompts x TRIALS (default 4), 96 tokens
