@@ -59,6 +59,7 @@ def _is_id(token: Any) -> bool:
 def _check_prompt(prompt: Any) -> list[int] | None:
     """Token ids as ints (None for text or chat messages, after checking their shape)."""
     if isinstance(prompt, str):
+        _check_text(prompt, "the prompt")
         return None
     if not isinstance(prompt, (list, tuple)):
         raise PromptError(
@@ -78,7 +79,18 @@ def _check_prompt(prompt: Any) -> list[int] | None:
                 f'prompt[{i}]: expected a chat message {{"role": ..., "content": ...}}, '
                 f"got {type(m).__name__}"
             )
+        if isinstance(m["content"], str):
+            _check_text(m["content"], f"prompt[{i}].content")
     return None
+
+
+def _check_text(text: str, where: str) -> None:
+    """Text that cannot be UTF-8 (lone surrogates: undecodable bytes from a terminal or a
+    file read with surrogateescape) would reach the tokenizer as a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{where} is not valid UTF-8 text (at character {e.start})") from None
 
 
 class Pipeline:

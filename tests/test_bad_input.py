@@ -125,6 +125,8 @@ def test_the_api_refuses_bad_prompts_and_arguments(embedded):
         ([{"content": "no role"}], "expected a chat message"),
         ([1, 2, True], r"prompt\[2\] is bool"),
         ([1, {"role": "user", "content": "hi"}], r"prompt\[1\] is dict"),
+        ("abc\udcff", "the prompt is not valid UTF-8"),  # undecodable bytes, surrogateescaped
+        ([{"role": "user", "content": "\ud800"}], r"prompt\[0\].content is not valid UTF-8"),
     ]:
         with pytest.raises(PromptError, match=why):
             greedy_generate(model, tok, prompt, max_new_tokens=2)
@@ -157,3 +159,18 @@ def test_a_verdict_with_wrong_types_is_probed_again(tmp_path):
     entry.update(enabled="false", correct="false")  # a string "false" reads as true
     store.path.write_text(json.dumps(raw))
     assert probe.VerdictCache(tmp_path).get(key) is None
+
+
+def test_a_prompt_of_undecodable_bytes_is_one_line(capsys):
+    import os
+    import subprocess
+    import sys
+
+    # argv carries undecodable bytes as lone surrogates (surrogateescape), as a shell would.
+    code = "import sys; from dspark_flow.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", code, "run", QUICKSTART, "--max-tokens", "2", "--prompt"]
+    done = subprocess.run([*argv, b"abc\xff"], capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"})  # fmt: skip
+    err = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    assert done.returncode == 2, err
+    assert err == ["error: the prompt is not valid UTF-8 text (at character 3)"], err

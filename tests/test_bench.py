@@ -230,6 +230,21 @@ def test_report_schema_through_cli(tmp_path, capsys):
     # The table also goes to stdout.
     assert "| lookup |" in captured.out or "lookup" in captured.out
 
+    # --from-json re-renders a saved run; one it cannot render leaves the report as it was.
+    saved = (out / "bench.json").read_bytes()
+    again = tmp_path / "again"
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--out", str(again)]) == 0
+    assert json.loads((again / "bench.json").read_text()) == data
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"meta": {}, "runs": [{"x": 1}], "summary": []}))
+    capsys.readouterr()
+    assert main(["bench", "--from-json", str(broken), "--out", str(out), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a bench.json this version can render" in err and len(err.splitlines()) == 1
+    assert (out / "bench.json").read_bytes() == saved
+    assert main(["bench", str(RECIPES / "lookup.yaml"), "--from-json", str(broken)]) == 2
+    assert "leave out the recipes" in capsys.readouterr().err
+
 
 def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatch):
     from dspark_flow.bench import runner

@@ -448,3 +448,37 @@ def test_non_streaming_disconnect_cancels_the_generation(server, oai):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=BEARER, timeout=1.5)
     _assert_next_request_is_prompt(server, oai, before)
+
+
+def test_a_body_cut_short_is_a_client_error_not_a_crash():
+    """A client that hangs up mid-body must end as an ApiError (answered by its handler), not
+    as Starlette's ClientDisconnect, which the catch-all handler would log as a traceback."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from dspark_flow.server.common import ApiError, read_json
+
+    messages = [
+        {"type": "http.request", "body": b'{"model": "x", "mess', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive():
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(read_json(Request(scope, receive), BODY_LIMIT))
+    assert caught.value.status == 400 and "closed the connection" in str(caught.value)
+
+
+def test_still_serving_after_a_body_cut_short(server, oai):
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 500\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+            b'{"model": "lookup", "mess'
+        )
+    reply = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=4)
+    assert reply.choices[0].message.content

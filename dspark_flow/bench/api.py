@@ -29,14 +29,14 @@ class BenchOutcome:
 def write_outputs(data: dict[str, Any], out_dir: Path, plots: bool = True) -> BenchOutcome:
     """bench.json, bench.md and (with matplotlib) the PNGs, from a complete results dict."""
     from dspark_flow.bench import plots as plotting
-    from dspark_flow.bench.report import write_json, write_markdown
+    from dspark_flow.bench.report import json_text, render_markdown, write_text_atomic
 
+    # Render both texts before writing either: data that cannot be rendered (a hand-edited
+    # bench.json given to --from-json) must not replace the report already in out_dir.
+    texts = {"bench.json": json_text(data), "bench.md": render_markdown(data)}
     out_dir.mkdir(parents=True, exist_ok=True)
     outcome = BenchOutcome(data)
-    outcome.files += [
-        write_json(data, out_dir / "bench.json"),
-        write_markdown(data, out_dir / "bench.md"),
-    ]
+    outcome.files += [write_text_atomic(text, out_dir / name) for name, text in texts.items()]
     if plots:
         if plotting.available():
             outcome.files += plotting.make_plots(data, out_dir)

@@ -76,8 +76,15 @@ def collect_meta(targets: list[dict[str, str]], command: str) -> dict[str, Any]:
     return meta
 
 
-def write_json(data: dict[str, Any], path: Path) -> Path:
-    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+def json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+
+
+def write_text_atomic(text: str, path: Path) -> Path:
+    """Write through a temporary file and a rename: a failed write leaves the old file whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
     return path
 
 
@@ -226,8 +233,3 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += ["## Speed per mode and category", ""] + summary_table(data["summary"]) + [""]
     lines += verify_table(data.get("verify_cost", []))
     return "\n".join(lines)
-
-
-def write_markdown(data: dict[str, Any], path: Path) -> Path:
-    path.write_text(render_markdown(data), encoding="utf-8")
-    return path

@@ -113,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         from dspark_flow.bench.report import load_json
 
+        if args.recipes:
+            raise DsparkFlowError(
+                "--from-json renders a saved run; leave out the recipes (or drop --from-json)"
+            )
+
         data = load_json(args.from_json)
         try:
             outcome = write_outputs(data, out, plots=not args.no_plots)

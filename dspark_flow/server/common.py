@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
+from dspark_flow.log import get_logger
 from dspark_flow.result import GenResult
+
+log = get_logger()
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -79,11 +82,17 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # chunked uploads carry no content-length
-            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # chunked uploads carry no content-length
+                raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody is left to answer; an ApiError keeps it out of the catch-all handler, which
+        # Starlette would re-raise into a traceback in the server's log.
+        log.info("client went away before sending the whole body", path=request.url.path)
+        raise ApiError(400, "the client closed the connection before the body ended") from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object")
