@@ -23,7 +23,7 @@ SLOTS: tuple[str, ...] = ("drafter", "verifier", "sampler", "draft_cap", "cache"
 class StrategyConfig(BaseModel):
     """Base of every strategy's recipe section."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf/.nan are YAML floats
     kind: str
 
 

@@ -83,6 +83,25 @@ def test_train_check_reads_the_prompt_files_and_the_flags(tmp_path, capsys):
     assert "--time-limit" in _one_error_line(capsys)
     assert main(["train", recipe, "--check", "--data-worker", "foo"]) == 2
     assert "expected I/N" in _one_error_line(capsys)
+    # Output problems that export used to find only after training.
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    for sets, why in [
+        ([f"output={afile}"], "is a file"),
+        ([f"output={notes}"], "holds files that are not a drafter's (notes.txt)"),
+        ([f"output={drafter}", f"train.init_from={drafter}"], "is the output directory"),
+    ]:
+        argv = ["train", recipe, "--check"] + [a for s in sets for a in ("--set", s)]
+        assert main(argv) == 2
+        assert why in _one_error_line(capsys)
+    assert afile.read_text() == "mine" and (notes / "notes.txt").read_text() == "mine"
+    assert main(["train", recipe, "--check", "--set", f"output={drafter}"]) == 0
 
 
 def test_http_content_errors_name_what_is_wrong():
@@ -174,3 +193,12 @@ def test_a_prompt_of_undecodable_bytes_is_one_line(capsys):
     err = done.stderr.decode("utf-8", "replace").strip().splitlines()
     assert done.returncode == 2, err
     assert err == ["error: the prompt is not valid UTF-8 text (at character 3)"], err
+
+
+def test_infinite_or_nan_numbers_are_refused(tmp_path, capsys):
+    """YAML spells them .inf and .nan; a temperature of .inf sampled uniform noise."""
+    for value in (".inf", "-.inf", ".nan"):
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"version: 1\nsampler: {{kind: sample, temperature: {value}}}\n")
+        assert main(["validate", str(recipe)]) == 2
+        assert "sampler.temperature: Input should be a finite number" in _one_error_line(capsys)

@@ -383,9 +383,12 @@ def test_resolve_paths(model_dir, tmp_path):
 
 def test_resolve_hub_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelError, match="could not fetch 'acme/not-a-model'") as info:
+    with pytest.raises(ModelError, match="'acme/not-a-model' is not in the local") as info:
         resolve_model_path("acme/not-a-model")
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and "HF_HUB_OFFLINE is set" in str(info.value)
+    for empty in ("", "  "):
+        with pytest.raises(ModelError, match="the model name is empty"):
+            resolve_model_path(empty)
 
 
 @pytest.mark.slow
@@ -398,6 +401,20 @@ def test_corrupt_model_files(model_dir, tmp_path):
     (bad / "config.json").write_text("{oops")
     with pytest.raises(ModelError, match="corrupt config"):
         load_model_dir(bad, weights="native")
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelError, match="not a model config"):
+        load_model_dir(bad, weights="native")
+    (bad / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ModelError, match="names no model_type"):
+        load_model_dir(bad, weights="native")
+    # A tokenizer's error keeps its useful tail, on one line.
+    shutil.copy(model_dir / "config.json", bad / "config.json")
+    shutil.copy(model_dir / "model.safetensors", bad / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / name).unlink(missing_ok=True)
+    with pytest.raises(ModelError, match="no tokenizer in") as info:
+        load_model_dir(bad, weights="native")
+    assert "\n" not in str(info.value)
 
 
 def test_weight_format_choice():

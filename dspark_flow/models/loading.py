@@ -35,20 +35,39 @@ HUB_PATTERNS = [
     "*.jinja",
     "draft_vocab.npy",  # a trained drafter's draft vocabulary (models/draft_vocab.py)
 ]
+# Files a Hugging Face tokenizer commonly loads from (named when loading fails without any).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tiktoken.model",
+    "spiece.model",
+)
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+def _brief(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its lines joined (tokenizers put the useful part last), a bare
+    KeyError named as the missing key, cut at `limit` characters."""
+    if isinstance(e, KeyError) and len(e.args) == 1:
+        return f"missing key {e.args[0]!r}"
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_model_dir(path: Path) -> Path:
     if not path.is_dir():
         raise ModelError(f"not an mlx-lm model directory: {path} (not a directory)")
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise ModelError(f"not an mlx-lm model directory: {path} (no config.json)")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"corrupt config in {path}: {_brief(e)}") from e
+    if not isinstance(data, dict):
+        raise ModelError(f"{config} is not a model config (expected a JSON object)")
     return path
 
 
@@ -81,6 +100,11 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
                 f"could not fetch {repo_id!r} from the Hugging Face hub: {kind} "
                 "(check the name/revision, or log in with `hf auth login` for gated repos)"
             ) from e
+        if offline:
+            raise ModelError(
+                f"{repo_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set: "
+                "fetch it once with network access, or pass a local directory"
+            ) from e
         raise ModelError(
             f"could not fetch {repo_id!r} from the Hugging Face hub (offline or unreachable): "
             "set HF_HUB_OFFLINE=1 with the model in the local HF cache, or pass a local directory"
@@ -90,6 +114,10 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 
 def resolve_model_path(ref: str, revision: str | None = None) -> Path:
     """Local directory holding an mlx-lm model for `ref`, fetching or converting it if needed."""
+    if not ref.strip():
+        raise ModelError(
+            "the model name is empty: name builtin:smollm2-135m, a hub repo id or a local directory"
+        )
     if ref.startswith(BUILTIN_PREFIX):
         name = ref[len(BUILTIN_PREFIX) :]
         if (SHIPPED_DRAFTERS / name / "config.json").is_file():  # trained drafters in the wheel
@@ -110,19 +138,25 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
     from mlx_lm.utils import load_model, load_tokenizer
 
     path = _check_model_dir(Path(path))
+    if "model_type" not in json.loads((path / "config.json").read_text(encoding="utf-8")):
+        raise ModelError(f"{path / 'config.json'} names no model_type: mlx-lm cannot build it")
     fmt = choose_weight_format(weights)  # validate before spending time on loading
     try:
         model, config = load_model(path)
     except json.JSONDecodeError as e:
-        raise ModelError(f"corrupt config in {path}: {_first_line(e)}") from e
+        raise ModelError(f"corrupt config in {path}: {_brief(e)}") from e
     except FileNotFoundError as e:
-        raise ModelError(f"incomplete model directory {path}: {_first_line(e)}") from e
+        raise ModelError(f"incomplete model directory {path}: {_brief(e)}") from e
     except Exception as e:  # bad safetensors header, shape mismatch, unknown model_type ...
-        raise ModelError(f"could not load model from {path}: {_first_line(e)}") from e
+        raise ModelError(f"could not load model from {path}: {_brief(e)}") from e
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
-        raise ModelError(f"could not load tokenizer from {path}: {_first_line(e)}") from e
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):  # the usual cause, said plainly
+            raise ModelError(
+                f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})"
+            ) from e
+        raise ModelError(f"could not load tokenizer from {path}: {_brief(e)}") from e
     apply_weight_format(model, fmt)
     warn_if_slow_blas(fmt)
     return model, tokenizer

@@ -46,7 +46,7 @@ TOOL_DEFAULTS: dict[str, Any] = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf/.nan are YAML floats
 
 
 class TargetSpec(_Strict):

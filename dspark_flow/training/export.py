@@ -119,7 +119,9 @@ def write_drafter(
     weights = export_weights(model, getattr(mx, dtype), quantize, group_size)
     out = Path(out)
     if out.exists():
-        foreign = [p.name for p in out.iterdir() if p.name not in DRAFTER_FILES]
+        foreign = (
+            [p.name for p in out.iterdir() if p.name not in DRAFTER_FILES] if out.is_dir() else []
+        )
         if foreign or not out.is_dir():
             raise DsparkFlowError(
                 f"output {out} exists and is not a drafter directory ({', '.join(foreign[:3]) or 'a file'}); "

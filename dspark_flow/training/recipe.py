@@ -20,7 +20,7 @@ _LINES = re.compile(r"^\s*(\d+)?\s*-\s*(\d+)?\s*$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf/.nan are YAML floats
 
 
 class TrainTarget(_Strict):
@@ -311,7 +311,33 @@ def loads_train_recipe(
         raise RecipeError(_pydantic_problems(exc, where, ())) from None
     _resolve_paths(recipe, base or Path.cwd())
     check_prompt_files(recipe, source)
+    check_output(recipe, source)
     return recipe
+
+
+def check_output(recipe: TrainRecipe, source: str) -> None:
+    """Problems with `output` that export would only find after training: a file there, a
+    folder of other files (export never overwrites those), or `train.init_from` naming it (the
+    export would replace the drafter the run started from). Whether init_from exists is
+    checked when a fresh run needs it: resuming, or the data stage alone, does not."""
+    from dspark_flow.training.export import DRAFTER_FILES
+
+    out = recipe.output_dir()
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"{source}: output {out} is a file; name a directory for the drafter")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in DRAFTER_FILES)
+        if foreign:
+            raise RecipeError(
+                f"{source}: output {out} holds files that are not a drafter's "
+                f"({', '.join(foreign[:3])}); name a new directory or a drafter's"
+            )
+    start = recipe.train.init_from
+    if start and Path(start).resolve() == out.resolve():
+        raise RecipeError(
+            f"{source}: train.init_from is the output directory {out}: the export would "
+            "replace the drafter the run starts from (copy it elsewhere and start from the copy)"
+        )
 
 
 def load_train_recipe(path: str | Path, overrides: list[str] | None = None) -> TrainRecipe:
