@@ -196,6 +196,11 @@ def load_pair(
     `load_drafter`."""
     from dspark_flow.models.drafter_loading import resolve_drafter
 
+    for name, value in (("target", target), ("drafter", drafter)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"load_pair: {name} is a model name or path (a str), got {type(value).__name__}"
+            )
     target_ref = target or DEFAULT_MODEL
     if drafter is None:  # before any download: an unknown target fails fast
         entry = resolve_drafter(target_ref, kind)

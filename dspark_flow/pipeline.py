@@ -33,6 +33,11 @@ Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
 def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strategy:
     """Instantiate the strategy a config names (validating a plain dict first)."""
+    if not isinstance(config, (dict, StrategyConfig)):
+        raise ConfigError(
+            f"{slot}: expected a recipe section (a dict with a kind) or a strategy config, "
+            f"got {type(config).__name__}"
+        )
     if isinstance(config, dict):
         cls = registry.load_kind(slot, str(config.get("kind")))
         try:
@@ -48,7 +53,11 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """Stop strings as a list: one string given bare is one stop string, not its characters."""
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else list(stop)
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ConfigError(f"stop: expected a string or a list of strings, got {stop!r}")
+    return list(stop)
 
 
 def _is_id(token: Any) -> bool:

@@ -35,6 +35,11 @@ def test_an_unknown_log_level_is_an_argument_error(capsys):
 def test_a_bad_set_value_is_one_line(capsys):
     assert main(["validate", QUICKSTART, "--set", "drafter={kind: lookup"]) == 2
     assert "value is not valid YAML" in _one_error_line(capsys)
+    # An unknown section an override made is located at the override, not in the file.
+    assert main(["validate", QUICKSTART, "--set", "nope.x=1"]) == 2
+    assert _one_error_line(capsys) == "error: --set nope.x=1 nope: unknown field"
+    assert main(["validate", QUICKSTART, "--set", "..=1"]) == 2
+    assert "empty part in the key path" in _one_error_line(capsys)
 
 
 def test_bench_from_a_malformed_json_or_into_a_file(tmp_path, capsys):
@@ -158,6 +163,13 @@ def test_the_api_refuses_bad_prompts_and_arguments(embedded):
         greedy_generate("notamodel", tok, "hi", max_new_tokens=2)
     with pytest.raises(ConfigError, match="drafter dspark: quantize"):
         load_pair(quantize=3)
+    with pytest.raises(ConfigError, match="target is a model name or path"):
+        load_pair(5)  # type: ignore[arg-type]
+    plain = Pipeline.from_dict({"drafter": {"kind": "none"}}, target=(model, tok))
+    with pytest.raises(ConfigError, match="sampler: expected a recipe section"):
+        plain.generate("hi", max_new_tokens=2, sampler=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="stop: expected a string or a list of strings"):
+        plain.generate("hi", max_new_tokens=2, stop=5)  # type: ignore[arg-type]
     # One stop string given bare is one string, not its characters.
     plain = greedy_generate(model, tok, "Say hello", max_new_tokens=8)
     bare = greedy_generate(model, tok, "Say hello", max_new_tokens=8, stop="zzHello")

@@ -33,6 +33,10 @@ class _Located:
         for prefix_len in range(len(loc), 0, -1):
             if loc[:prefix_len] in self.overridden:
                 return f"--set {self.overridden[loc[:prefix_len]]}"
+        # A section an override created (`--set nope.x=1` makes `nope`) is not in the file.
+        below = [text for at, text in self.overridden.items() if loc and at[: len(loc)] == loc]
+        if below and _child_path(self.root, loc) is None:
+            return f"--set {below[0]}"
         node = self.root
         for i, part in enumerate(loc):
             child = _child(node, part, at_key=at_key and i == len(loc) - 1)
@@ -47,6 +51,15 @@ class _Located:
     def problem(self, loc: Loc, message: str, at_key: bool = False) -> str:
         path = ".".join(str(p) for p in loc) or "(recipe)"
         return f"{self.where(loc, at_key)} {path}: {message}"
+
+
+def _child_path(node: yaml.Node | None, loc: Loc) -> yaml.Node | None:
+    """The node at `loc` under `node`, or None where the file has no such path."""
+    for part in loc:
+        node = _child(node, part)
+        if node is None:
+            return None
+    return node
 
 
 def _child(node: yaml.Node | None, part: str | int, at_key: bool = False) -> yaml.Node | None:
@@ -90,7 +103,10 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
         mark = getattr(exc, "problem_mark", None)
         at = f" at column {mark.column + 1}" if mark is not None else ""
         raise RecipeError(f"--set {text}: value is not valid YAML ({problem}{at})") from None
-    path: list[str | int] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    parts = key.strip().split(".")
+    if any(not p.strip() for p in parts):
+        raise RecipeError(f"--set {text}: empty part in the key path (expected KEY.PATH=VALUE)")
+    path: list[str | int] = [int(p) if p.isdigit() else p for p in parts]
     return path, value
 
 
