@@ -55,6 +55,14 @@ class MessagesRequest(_Strict):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     tools: list[Any] | None = None
+    thinking: Any = None
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, value: Any) -> Any:
+        if value is not None and not (isinstance(value, dict) and value.get("type") == "disabled"):
+            raise ValueError("extended thinking is not supported")
+        return value
 
     @field_validator("stop_sequences")
     @classmethod

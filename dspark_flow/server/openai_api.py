@@ -106,6 +106,23 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
+    functions: list[Any] | None = None  # the older spelling of tools
+    response_format: Any = None
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("functions (tools) are not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        # Constrained output (JSON mode, schemas) would change what is generated: refused.
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('only response_format {"type": "text"} is supported')
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
