@@ -375,9 +375,11 @@ case "${1:-}" in
     # LEAN=1 drops the two full-block recipes. FUSED=1 adds `auto` with fuse_projections (probe
     # its stacked shapes first, e.g. compile_ab.py --option verifier.fuse_projections). PREFER_STOCK=1 adds `auto` with `prefer_stock` spelled
     # out (the 12:36 UTC run of 2026-12-01, when it was off by default; now kernels-auto is the same).
-    # BF16=1 adds the bf16 target through the kernels (probed here unless solo-first had KTARGETS=all;
-    # BF16=stock adds it through MLX's own path instead, with nothing to probe; KTARGETS=all: ~60-85 s; `LEAN=1 PREFER_STOCK=1 BF16=1 TRIALS=3` after a solo-first without it
-    # was cut at 536 s on 2026-12-01 ~12:55 UTC, still warming up: probe bf16 in solo-first).
+    # BF16=1 adds the bf16 target through the kernels, probed here unless solo-first had
+    # KTARGETS=all (~60-85 s); `LEAN=1 PREFER_STOCK=1 BF16=1 TRIALS=3` after a solo-first without
+    # it was cut at 536 s on 2026-12-01 ~12:55 UTC, still warming up. BF16=stock adds it through
+    # MLX's own path with compiled layers instead: nothing to probe (336 s with LEAN=1 FUSED=1
+    # TRIALS=2 on 2026-12-01 17:30 UTC).
     # The six-recipe version (bf16 included, layers not compiled) was
     # cut at 506 s on 2026-12-01 at ~10:10 UTC with an empty log: no mode had finished its warm-up.
     # 3 per category: 4 (12 prompts, 2 trials) ran past a 540 s call on 2026-11-30 at 15:12 UTC.
@@ -400,7 +402,7 @@ case "${1:-}" in
       variant dspark kernels-auto-fused '{kind: auto}' auto '{kind: kernels, invariant: true, compile_layers: true, fuse_projections: true}'
       set -- "$@" /tmp/kernels-auto-fused.yaml
     fi
-    if [ -n "${BF16:-}" ]; then  # BF16=stock: MLX's own bf16 path (compiled layers), nothing to probe
+    if [ -n "${BF16:-}" ]; then
       if [ "$BF16" = stock ]; then
         variant dspark bf16-stock-auto '{kind: auto}' auto "$stock" bfloat16
         set -- "$@" /tmp/bf16-stock-auto.yaml

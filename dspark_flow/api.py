@@ -3,10 +3,11 @@ the CLI runs, around a target the caller already loaded."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dspark_flow.errors import ConfigError
+from dspark_flow.errors import ConfigError, ModelError
 from dspark_flow.pipeline import Pipeline, Prompt, build_strategy, stop_strings
 from dspark_flow.recipe.schema import DEFAULT_MODEL
 from dspark_flow.result import GenResult
@@ -19,7 +20,10 @@ def load_target(
     repo id or a local mlx-lm directory. Returns (model, tokenizer)."""
     from dspark_flow.models.loading import load_model_dir, resolve_model_path
 
-    return load_model_dir(resolve_model_path(model or DEFAULT_MODEL, revision), weights)
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"load_target: model is a model name or path, got {type(model).__name__}")
+    ref = DEFAULT_MODEL if model is None else os.fspath(model)  # "" is refused, not the default
+    return load_model_dir(resolve_model_path(ref, revision), weights)
 
 
 def sampler_section(
@@ -197,11 +201,14 @@ def load_pair(
     from dspark_flow.models.drafter_loading import resolve_drafter
 
     for name, value in (("target", target), ("drafter", drafter)):
-        if value is not None and not isinstance(value, str):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
             raise ConfigError(
-                f"load_pair: {name} is a model name or path (a str), got {type(value).__name__}"
+                f"load_pair: {name} is a model name or path, got {type(value).__name__}"
             )
-    target_ref = target or DEFAULT_MODEL
+    target_ref = DEFAULT_MODEL if target is None else os.fspath(target)
+    if not target_ref.strip():
+        raise ModelError("load_pair: the model name is empty (None picks the embedded default)")
+    drafter = None if drafter is None else os.fspath(drafter)
     if drafter is None:  # before any download: an unknown target fails fast
         entry = resolve_drafter(target_ref, kind)
         drafter, kind = str(entry["drafter"]), str(entry["kind"])

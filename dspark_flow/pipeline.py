@@ -9,7 +9,7 @@ budget) swap in fresh strategy objects for that request only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -55,9 +55,10 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
         return []
     if isinstance(stop, str):
         return [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+    strings = list(stop) if isinstance(stop, Iterable) and not isinstance(stop, bytes) else None
+    if strings is None or not all(isinstance(s, str) for s in strings):
         raise ConfigError(f"stop: expected a string or a list of strings, got {stop!r}")
-    return list(stop)
+    return strings
 
 
 def _is_id(token: Any) -> bool:
@@ -68,7 +69,7 @@ def _is_id(token: Any) -> bool:
 def _check_prompt(prompt: Any) -> list[int] | None:
     """Token ids as ints (None for text or chat messages, after checking their shape)."""
     if isinstance(prompt, str):
-        _check_text(prompt, "the prompt")
+        check_text(prompt, "the prompt")
         return None
     if not isinstance(prompt, (list, tuple)):
         raise PromptError(
@@ -89,17 +90,18 @@ def _check_prompt(prompt: Any) -> list[int] | None:
                 f"got {type(m).__name__}"
             )
         if isinstance(m["content"], str):
-            _check_text(m["content"], f"prompt[{i}].content")
+            check_text(m["content"], f"prompt[{i}].content")
     return None
 
 
-def _check_text(text: str, where: str) -> None:
+def check_text(text: str, where: str) -> None:
     """Text that cannot be UTF-8 (lone surrogates: undecodable bytes from a terminal or a
-    file read with surrogateescape) would reach the tokenizer as a bare TypeError."""
+    file read with surrogateescape, or a JSON escape) would reach the tokenizer as a bare
+    TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise PromptError(f"{where} is not valid UTF-8 text (at character {e.start})") from None
+        raise PromptError(f"{where} is not valid UTF-8 text (at character {e.start + 1})") from None
 
 
 class Pipeline:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dspark_flow.cli.main import main
-from dspark_flow.errors import ConfigError, PromptError
+from dspark_flow.errors import ConfigError, ModelError, PromptError
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
@@ -165,11 +165,14 @@ def test_the_api_refuses_bad_prompts_and_arguments(embedded):
         load_pair(quantize=3)
     with pytest.raises(ConfigError, match="target is a model name or path"):
         load_pair(5)  # type: ignore[arg-type]
+    with pytest.raises(ModelError, match="the model name is empty"):
+        load_pair("")
     plain = Pipeline.from_dict({"drafter": {"kind": "none"}}, target=(model, tok))
     with pytest.raises(ConfigError, match="sampler: expected a recipe section"):
         plain.generate("hi", max_new_tokens=2, sampler=5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="stop: expected a string or a list of strings"):
         plain.generate("hi", max_new_tokens=2, stop=5)  # type: ignore[arg-type]
+    assert plain.generate("hi", max_new_tokens=2, stop={"zz"}).num_tokens >= 1  # any iterable
     # One stop string given bare is one string, not its characters.
     plain = greedy_generate(model, tok, "Say hello", max_new_tokens=8)
     bare = greedy_generate(model, tok, "Say hello", max_new_tokens=8, stop="zzHello")
@@ -204,7 +207,7 @@ def test_a_prompt_of_undecodable_bytes_is_one_line(capsys):
                           env={**os.environ, "PYTHONIOENCODING": "utf-8"})  # fmt: skip
     err = done.stderr.decode("utf-8", "replace").strip().splitlines()
     assert done.returncode == 2, err
-    assert err == ["error: the prompt is not valid UTF-8 text (at character 3)"], err
+    assert err == ["error: the prompt is not valid UTF-8 text (at character 4)"], err
 
 
 def test_infinite_or_nan_numbers_are_refused(tmp_path, capsys):

@@ -242,6 +242,16 @@ def test_report_schema_through_cli(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is not a bench.json this version can render" in err and len(err.splitlines()) == 1
     assert (out / "bench.json").read_bytes() == saved
+    if has_matplotlib():  # renders as Markdown, fails in a plot: still nothing replaced
+        plots_fail = {
+            **data,
+            "runs": [{k: v for k, v in r.items() if k != "kind"} for r in data["runs"]],
+        }
+        broken.write_text(json.dumps(plots_fail))
+        assert main(["bench", "--from-json", str(broken), "--out", str(out)]) == 2
+        capsys.readouterr()
+        assert (out / "bench.json").read_bytes() == saved
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no scratch
     assert main(["bench", str(RECIPES / "lookup.yaml"), "--from-json", str(broken)]) == 2
     assert "leave out the recipes" in capsys.readouterr().err
 

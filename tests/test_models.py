@@ -416,7 +416,7 @@ def test_corrupt_model_files(model_dir, tmp_path):
     (bad / "config.json").write_text('{"hidden_size": 8}')
     with pytest.raises(ModelError, match="names no model_type"):
         load_model_dir(bad, weights="native")
-    # A tokenizer's error keeps its useful tail, on one line.
+    # No tokenizer files: said plainly, on one line.
     shutil.copy(model_dir / "config.json", bad / "config.json")
     shutil.copy(model_dir / "model.safetensors", bad / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -424,6 +424,14 @@ def test_corrupt_model_files(model_dir, tmp_path):
     with pytest.raises(ModelError, match="no tokenizer in") as info:
         load_model_dir(bad, weights="native")
     assert "\n" not in str(info.value)
+
+
+def test_load_errors_keep_both_ends_of_a_long_message():
+    from dspark_flow.models.loading import _brief
+
+    text = _brief(ValueError("start " + "x" * 500 + "\n the cause"))
+    assert len(text) <= 300 and text.startswith("start ") and text.endswith("the cause")
+    assert _brief(KeyError("model_type")) == "missing key 'model_type'"
 
 
 def test_weight_format_choice():

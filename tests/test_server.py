@@ -297,6 +297,22 @@ OPENAI_CASES = [
     ),
     ("n > 1", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "n": 2}, 400, "n"),
     (
+        "lone surrogate, completion",
+        "/v1/completions",
+        BEARER,
+        b'{"model": "lookup", "prompt": "ab\\ud800", "max_tokens": 2}',
+        400,
+        "prompt",
+    ),
+    (
+        "lone surrogate, chat",
+        "/v1/chat/completions",
+        BEARER,
+        b'{"model": "lookup", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "messages",
+    ),
+    (
         "json mode",
         "/v1/chat/completions",
         BEARER,
@@ -496,7 +512,19 @@ def test_a_body_cut_short_is_a_client_error_not_a_crash():
     assert caught.value.status == 400 and "closed the connection" in str(caught.value)
 
 
-def test_still_serving_after_a_body_cut_short(server, oai):
+def test_still_serving_after_a_body_cut_short(server, oai, monkeypatch):
+    import dspark_flow.server.app as app_module
+
+    errors: list[tuple] = []
+
+    class Recorder:  # the catch-all handler logs "request failed" (and Starlette a traceback)
+        def error(self, *args, **kwargs):
+            errors.append((args, kwargs))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(app_module, "log", Recorder())
     with socket.create_connection((server.host, server.port), timeout=10) as s:
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -505,3 +533,4 @@ def test_still_serving_after_a_body_cut_short(server, oai):
         )
     reply = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=4)
     assert reply.choices[0].message.content
+    assert errors == []

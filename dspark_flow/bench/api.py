@@ -3,6 +3,7 @@ Python callers (who may pass ready `Pipeline`s, e.g. with custom strategy object
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,22 +27,40 @@ class BenchOutcome:
         return self.data.get("mismatches", [])
 
 
-def write_outputs(data: dict[str, Any], out_dir: Path, plots: bool = True) -> BenchOutcome:
-    """bench.json, bench.md and (with matplotlib) the PNGs, from a complete results dict."""
+def write_outputs(
+    data: dict[str, Any], out_dir: Path, plots: bool = True, whole_or_nothing: bool = False
+) -> BenchOutcome:
+    """bench.json, bench.md and (with matplotlib) the PNGs, from a complete results dict.
+
+    Everything is rendered into a scratch folder first and moved in only once all of it
+    rendered. A fresh run (`whole_or_nothing` false) saves bench.json before rendering anything,
+    so a rendering bug cannot lose its results (`--from-json` renders them again); re-rendering
+    a saved file (`whole_or_nothing`) replaces nothing unless every output rendered."""
+    import shutil
+    import tempfile
+
     from dspark_flow.bench import plots as plotting
     from dspark_flow.bench.report import json_text, render_markdown, write_text_atomic
 
-    # Render both texts before writing either: data that cannot be rendered (a hand-edited
-    # bench.json given to --from-json) must not replace the report already in out_dir.
-    texts = {"bench.json": json_text(data), "bench.md": render_markdown(data)}
     out_dir.mkdir(parents=True, exist_ok=True)
     outcome = BenchOutcome(data)
-    outcome.files += [write_text_atomic(text, out_dir / name) for name, text in texts.items()]
-    if plots:
-        if plotting.available():
-            outcome.files += plotting.make_plots(data, out_dir)
-        else:
-            outcome.notes.append(plotting.MISSING)
+    if not whole_or_nothing:
+        outcome.files.append(write_text_atomic(json_text(data), out_dir / "bench.json"))
+    scratch = Path(tempfile.mkdtemp(prefix=".render-", dir=out_dir))
+    try:
+        staged = [write_text_atomic(render_markdown(data), scratch / "bench.md")]
+        if whole_or_nothing:
+            staged.append(write_text_atomic(json_text(data), scratch / "bench.json"))
+        if plots:
+            if plotting.available():
+                staged += plotting.make_plots(data, scratch)
+            else:
+                outcome.notes.append(plotting.MISSING)
+        for path in staged:
+            os.replace(path, out_dir / path.name)
+            outcome.files.append(out_dir / path.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return outcome
 
 

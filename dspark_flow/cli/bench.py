@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
         data = load_json(args.from_json)
         try:
-            outcome = write_outputs(data, out, plots=not args.no_plots)
+            outcome = write_outputs(data, out, plots=not args.no_plots, whole_or_nothing=True)
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
             # A hand-edited or truncated file: its fields are not what a bench run writes (or a
             # rendering bug: DSPARK_FLOW_DEBUG=1 shows the traceback).

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dspark_flow.training.data import DataWorker
-    from dspark_flow.training.recipe import load_train_recipe
+    from dspark_flow.training.recipe import check_output, load_train_recipe
     from dspark_flow.training.run import STAGES, run_training
 
     recipe = load_train_recipe(args.recipe, args.overrides)
@@ -52,10 +52,12 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.data_worker:
         DataWorker.parse(args.data_worker)  # a malformed I/N fails here, --check or not
+    stages = tuple(args.stage) if args.stage else STAGES
+    if args.check or {"train", "export"} & set(stages):
+        check_output(recipe, args.recipe)
     if args.check:
         print(f"{args.recipe}: ok ({recipe.drafter.kind}, block {recipe.drafter.block_size})")
         return 0
-    stages = tuple(args.stage) if args.stage else STAGES
     command = "dspark-flow train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     summary = run_training(
         recipe,

@@ -48,15 +48,23 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def _brief(e: BaseException, limit: int = 300) -> str:
-    """An exception as one line: its lines joined (tokenizers put the useful part last), a bare
-    KeyError named as the missing key, cut at `limit` characters."""
+    """An exception as one line: its lines joined, a bare KeyError named as the missing key;
+    past `limit` characters its start and end are kept (tokenizers put the cause last)."""
     if isinstance(e, KeyError) and len(e.args) == 1:
         return f"missing key {e.args[0]!r}"
     text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 3]} ... {text[-(limit - limit // 3 - 5) :]}"
 
 
 def _check_model_dir(path: Path) -> Path:
+    _model_config(path)
+    return path
+
+
+def _model_config(path: Path) -> dict[str, Any]:
+    """The directory's config.json as a dict, or a ModelError saying what is wrong."""
     if not path.is_dir():
         raise ModelError(f"not an mlx-lm model directory: {path} (not a directory)")
     config = path / "config.json"
@@ -68,7 +76,7 @@ def _check_model_dir(path: Path) -> Path:
         raise ModelError(f"corrupt config in {path}: {_brief(e)}") from e
     if not isinstance(data, dict):
         raise ModelError(f"{config} is not a model config (expected a JSON object)")
-    return path
+    return data
 
 
 def _looks_like_path(ref: str) -> bool:
@@ -77,12 +85,17 @@ def _looks_like_path(ref: str) -> bool:
     return (os.sep in ref or "/" in ref) and not _REPO_ID.fullmatch(ref)
 
 
+def _offline_variable() -> str | None:
+    """The variable that keeps the hub offline, if one is set. huggingface_hub reads
+    HF_HUB_OFFLINE once at import; this re-reads it so late settings count."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in _TRUE:
+            return name
+    return None
+
+
 def _hub_offline() -> bool:
-    # huggingface_hub reads HF_HUB_OFFLINE once at import; re-read it so late settings count.
-    return any(
-        os.environ.get(v, "").strip().lower() in _TRUE
-        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
+    return _offline_variable() is not None
 
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:
@@ -102,8 +115,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             ) from e
         if offline:
             raise ModelError(
-                f"{repo_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set: "
-                "fetch it once with network access, or pass a local directory"
+                f"{repo_id!r} is not in the local Hugging Face cache, and {_offline_variable()} "
+                "is set: fetch it once with network access, or pass a local directory"
             ) from e
         raise ModelError(
             f"could not fetch {repo_id!r} from the Hugging Face hub (offline or unreachable): "
@@ -137,8 +150,8 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
     """Load (model, TokenizerWrapper) from an mlx-lm directory, in weight format `weights`."""
     from mlx_lm.utils import load_model, load_tokenizer
 
-    path = _check_model_dir(Path(path))
-    if "model_type" not in json.loads((path / "config.json").read_text(encoding="utf-8")):
+    path = Path(path)
+    if "model_type" not in _model_config(path):
         raise ModelError(f"{path / 'config.json'} names no model_type: mlx-lm cannot build it")
     fmt = choose_weight_format(weights)  # validate before spending time on loading
     try:
@@ -154,7 +167,7 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
     except Exception as e:
         if not any((path / f).is_file() for f in TOKENIZER_FILES):  # the usual cause, said plainly
             raise ModelError(
-                f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})"
+                f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): {_brief(e, 160)}"
             ) from e
         raise ModelError(f"could not load tokenizer from {path}: {_brief(e)}") from e
     apply_weight_format(model, fmt)

@@ -33,16 +33,17 @@ class _Located:
         for prefix_len in range(len(loc), 0, -1):
             if loc[:prefix_len] in self.overridden:
                 return f"--set {self.overridden[loc[:prefix_len]]}"
-        # A section an override created (`--set nope.x=1` makes `nope`) is not in the file.
-        below = [text for at, text in self.overridden.items() if loc and at[: len(loc)] == loc]
-        if below and _child_path(self.root, loc) is None:
-            return f"--set {below[0]}"
-        node = self.root
+        node, in_file = self.root, True
         for i, part in enumerate(loc):
             child = _child(node, part, at_key=at_key and i == len(loc) - 1)
             if child is None:
+                in_file = False
                 break
             node = child
+        # A section an override created (`--set nope.x=1` makes `nope`) is not in the file.
+        below = [text for at, text in self.overridden.items() if loc and at[: len(loc)] == loc]
+        if below and not in_file:
+            return f"--set {below[0]}"
         if node is None:
             return self.source
         mark = node.start_mark
@@ -51,15 +52,6 @@ class _Located:
     def problem(self, loc: Loc, message: str, at_key: bool = False) -> str:
         path = ".".join(str(p) for p in loc) or "(recipe)"
         return f"{self.where(loc, at_key)} {path}: {message}"
-
-
-def _child_path(node: yaml.Node | None, loc: Loc) -> yaml.Node | None:
-    """The node at `loc` under `node`, or None where the file has no such path."""
-    for part in loc:
-        node = _child(node, part)
-        if node is None:
-            return None
-    return node
 
 
 def _child(node: yaml.Node | None, part: str | int, at_key: bool = False) -> yaml.Node | None:

@@ -2,8 +2,8 @@
 
 Requests are validated strictly (no "10" for 10, no true for 1): a wrong type is a 400 naming
 the parameter, not a silent coercion. Fields this server does not use are ignored, but settings
-that would change the output in a way it cannot honour (n > 1, penalties, logprobs, tools) are
-refused rather than dropped.
+that would change the output in a way it cannot honour (n > 1, penalties, logprobs, tools or
+functions, a response_format other than text) are refused rather than dropped.
 """
 
 from __future__ import annotations

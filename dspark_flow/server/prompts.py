@@ -8,8 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from dspark_flow.errors import PromptError
+from dspark_flow.pipeline import check_text
 from dspark_flow.server.common import ApiError
 from dspark_flow.server.engine import Engine
+
+
+def _check_text(text: Any, where: str, param: str) -> None:
+    if isinstance(text, str):
+        try:
+            check_text(text, where)
+        except PromptError as e:  # a JSON escape such as \ud800 decodes to a lone surrogate
+            raise ApiError(400, str(e), param=param) from None
+
 
 # Below this, logits / T overflows float32 and the distribution is a point mass anyway.
 MIN_TEMPERATURE = 1e-4
@@ -29,6 +40,8 @@ def encode_chat(
     system = engine.pipeline.recipe.prompt.system
     if system and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
+    for i, message in enumerate(messages):
+        _check_text(message["content"], f"messages[{i}].content", "messages")
     prefill = ""
     if continue_last and messages and messages[-1]["role"] == "assistant":
         prefill = messages[-1]["content"]
@@ -45,6 +58,7 @@ def encode_chat(
 def encode_text(engine: Engine, prompt: str | list[int]) -> list[int]:
     """A raw completion prompt: text (no chat template) or token ids checked against the vocab."""
     if isinstance(prompt, str):
+        _check_text(prompt, "prompt", "prompt")
         return list(engine.tokenizer.encode(prompt))
     vocab = engine.pipeline.vocab_size  # the embedding's rows, as the Python API checks
     if any(not 0 <= t < vocab for t in prompt):

@@ -311,15 +311,15 @@ def loads_train_recipe(
         raise RecipeError(_pydantic_problems(exc, where, ())) from None
     _resolve_paths(recipe, base or Path.cwd())
     check_prompt_files(recipe, source)
-    check_output(recipe, source)
     return recipe
 
 
 def check_output(recipe: TrainRecipe, source: str) -> None:
     """Problems with `output` that export would only find after training: a file there, a
     folder of other files (export never overwrites those), or `train.init_from` naming it (the
-    export would replace the drafter the run started from). Whether init_from exists is
-    checked when a fresh run needs it: resuming, or the data stage alone, does not."""
+    export would replace the drafter the run started from). For runs that may export (the
+    CLI's --check, train or export stages); evaluating a drafter found there needs none of it.
+    Whether init_from exists is checked when a fresh run needs it."""
     from dspark_flow.training.export import DRAFTER_FILES
 
     out = recipe.output_dir()
