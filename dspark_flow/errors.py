@@ -44,4 +44,5 @@ def validation_message(exc: Exception, what: str) -> str:
         return f"{what}: {exc}"
     field = ".".join(str(p) for p in errors[0]["loc"]) or "(settings)"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{what}: {field}: {errors[0]['msg']}{more}"
+    message = str(errors[0]["msg"]).removeprefix("Value error, ")  # pydantic's, for ValueErrors
+    return f"{what}: {field}: {message}{more}"

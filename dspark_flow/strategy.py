@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from dspark_flow.recipe.section import Section
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -20,10 +20,9 @@ if TYPE_CHECKING:
 SLOTS: tuple[str, ...] = ("drafter", "verifier", "sampler", "draft_cap", "cache", "stop")
 
 
-class StrategyConfig(BaseModel):
+class StrategyConfig(Section):
     """Base of every strategy's recipe section."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf/.nan are YAML floats
     kind: str
 
 

@@ -217,3 +217,18 @@ def test_infinite_or_nan_numbers_are_refused(tmp_path, capsys):
         recipe.write_text(f"version: 1\nsampler: {{kind: sample, temperature: {value}}}\n")
         assert main(["validate", str(recipe)]) == 2
         assert "sampler.temperature: Input should be a finite number" in _one_error_line(capsys)
+
+
+def test_a_boolean_for_a_number_and_a_kind_that_is_no_name(tmp_path, capsys):
+    """YAML's true would pass as 1 (`k: true`, `temperature: true`): a slip, refused."""
+    for section, message in [
+        ("draft_cap: {kind: fixed, k: true}", "draft_cap: k: expected a number, got true"),
+        ("sampler: {kind: sample, temperature: false}", "sampler: temperature: expected a number"),
+        ("drafter: {kind: 3}", "drafter.kind: expected a kind's name, got 3"),
+    ]:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"version: 1\n{section}\n")
+        assert main(["validate", str(recipe)]) == 2
+        assert message in _one_error_line(capsys)
+    recipe.write_text("version: 1\nverifier: {kind: kernels, invariant: true}\n")  # real bools pass
+    assert main(["validate", str(recipe)]) == 0

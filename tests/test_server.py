@@ -113,6 +113,28 @@ def test_cli_reports_a_taken_port_in_one_line():
     )
 
 
+def test_cli_reports_a_model_that_fails_to_load_once(tmp_path):
+    from dspark_flow.models.embedded import ensure_builtin
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in ensure_builtin("smollm2-135m", progress=False).iterdir():
+        data = f.read_bytes() if f.is_file() else None
+        if data is not None:  # the weights cut short: loading fails after the checks pass
+            (broken / f.name).write_bytes(data[:1000] if f.suffix == ".safetensors" else data)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"version: 1\ntarget: {{model: {broken}}}\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "dspark_flow", "serve", str(recipe), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if not line.startswith("loading ")]
+    assert len(lines) == 1 and lines[0].startswith("error: could not load model"), run.stderr
+
+
 # -- OpenAI ------------------------------------------------------------------------------------
 
 

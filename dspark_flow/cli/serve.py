@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # fail fast on a taken port, before loading the model
     engine = Engine(pipeline, warmup=not args.no_warmup, max_active_bytes=args.max_active_bytes)
     print(f"loading {config.target} ...", file=sys.stderr, flush=True)
-    engine.start().wait_ready()
+    engine.start(log_failure=False).wait_ready()  # the failure is this command's one error line
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(

@@ -156,7 +156,7 @@ def _pydantic_problems(exc: ValidationError, where: _Located, prefix: Loc) -> li
         if err["type"] == "extra_forbidden":
             out.append(where.problem(loc, "unknown field", at_key=True))
         else:
-            out.append(where.problem(loc, err["msg"]))
+            out.append(where.problem(loc, str(err["msg"]).removeprefix("Value error, ")))
     return out
 
 
@@ -165,6 +165,9 @@ def _validate_slot(slot: str, section: Any, loc: Loc, where: _Located, problems:
         problems.append(where.problem(loc, f"expected a mapping with a 'kind', got {section!r}"))
         return None
     kind = section.get("kind")
+    if kind is not None and not isinstance(kind, str):
+        problems.append(where.problem((*loc, "kind"), f"expected a kind's name, got {kind!r}"))
+        return None
     if not isinstance(kind, str):
         problems.append(
             where.problem(

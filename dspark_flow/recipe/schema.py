@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+from pydantic import Field, SerializeAsAny
 
+from dspark_flow.recipe.section import Section
 from dspark_flow.strategy import StrategyConfig
 
 WeightFormat = Literal["auto", "native", "float32", "bfloat16", "float16"]
@@ -45,11 +46,7 @@ TOOL_DEFAULTS: dict[str, Any] = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf/.nan are YAML floats
-
-
-class TargetSpec(_Strict):
+class TargetSpec(Section):
     model: str = Field(DEFAULT_MODEL, description="builtin:<name>, a hub repo id or a local dir")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
     weights: WeightFormat = Field(
@@ -58,12 +55,12 @@ class TargetSpec(_Strict):
     )
 
 
-class PromptSpec(_Strict):
+class PromptSpec(Section):
     chat: bool = Field(True, description="wrap prompts in the target's chat template")
     system: str | None = Field(None, description="system message for chat prompts")
 
 
-class RecipeShape(_Strict):
+class RecipeShape(Section):
     """Step one: everything but the contents of the slot sections."""
 
     version: Literal[1] = 1
@@ -81,7 +78,7 @@ class RecipeShape(_Strict):
     )
 
 
-class Recipe(_Strict):
+class Recipe(Section):
     """A validated recipe: the slot sections are the named kinds' own config objects."""
 
     version: Literal[1] = 1

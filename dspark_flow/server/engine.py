@@ -113,6 +113,7 @@ class Engine:
             )
         self.ready = False
         self.load_error: BaseException | None = None
+        self._log_failure = True
         self.busy = False
         self.served = 0
         self.cancelled = 0
@@ -125,7 +126,10 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> Engine:
+    def start(self, log_failure: bool = True) -> Engine:
+        """Load (and warm up) on the worker thread. `log_failure` false: a caller that will
+        wait_ready() and report the failure itself (the CLI) does not get it logged twice."""
+        self._log_failure = log_failure
         if not self._thread.is_alive():
             self._thread.start()
         return self
@@ -188,7 +192,8 @@ class Engine:
             self.ready = True
         except BaseException as exc:
             self.load_error = exc
-            log.error("loading failed", error=str(exc))
+            if self._log_failure:
+                log.error("loading failed", error=str(exc))
         finally:
             self._loaded.set()
         while True:

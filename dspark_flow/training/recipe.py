@@ -11,19 +11,16 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from dspark_flow.errors import ConfigError, RecipeError
 from dspark_flow.recipe.schema import DEFAULT_MODEL, WeightFormat
+from dspark_flow.recipe.section import Section
 
 _LINES = re.compile(r"^\s*(\d+)?\s*-\s*(\d+)?\s*$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf/.nan are YAML floats
-
-
-class TrainTarget(_Strict):
+class TrainTarget(Section):
     model: str = Field(DEFAULT_MODEL, description="builtin:<name>, hub repo id or local dir")
     revision: str | None = None
     weights: WeightFormat = Field(
@@ -33,7 +30,7 @@ class TrainTarget(_Strict):
     )
 
 
-class PromptFile(_Strict):
+class PromptFile(Section):
     path: str = Field(description="JSONL file: {'turns': [...]} or {'prompt': ...} per line")
     lines: str | None = Field(
         None, description="1-based inclusive line range, e.g. '1-1000' or '1001-' (default: all)"
@@ -63,7 +60,7 @@ class PromptFile(_Strict):
         return int(m.group(1) or 1) - 1, int(m.group(2) or 10**12)
 
 
-class DrafterArch(_Strict):
+class DrafterArch(Section):
     kind: Literal["dspark", "dflash"] = "dspark"
     block_size: int = Field(
         7, description="DSpark: drafts per round; DFlash: block incl. the anchor (block-1 drafts)"
@@ -122,7 +119,7 @@ class DrafterArch(_Strict):
         return self.block_size - (1 if self.kind == "dflash" else 0)
 
 
-class DataSpec(_Strict):
+class DataSpec(Section):
     prompts: list[PromptFile] = Field(default_factory=list)
     self_prompts: int = Field(
         0, ge=0, description="prompts the target writes itself (Magpie-style) on top of the files"
@@ -163,7 +160,7 @@ class DataSpec(_Strict):
         return self
 
 
-class LossSpec(_Strict):
+class LossSpec(Section):
     ce: float = Field(1.0, ge=0.0, description="cross entropy on the target's tokens")
     l1: float = Field(
         1.0, ge=0.0, description="DSpark: L1 distance of the drafter's and target's distributions"
@@ -174,7 +171,7 @@ class LossSpec(_Strict):
     )
 
 
-class TrainSpec(_Strict):
+class TrainSpec(Section):
     steps: int = Field(1000, ge=1)
     batch_size: int = Field(16, ge=1, description="sequences per step")
     seq_len: int = Field(512, ge=16, description="sequences are cut/padded to this many tokens")
@@ -200,13 +197,13 @@ class TrainSpec(_Strict):
     )
 
 
-class EvalSpec(_Strict):
+class EvalSpec(Section):
     prompts: list[PromptFile] = Field(default_factory=list)
     max_new_tokens: int = Field(128, ge=1)
     every: int | None = Field(None, ge=1, description="also evaluate every N steps (slow)")
 
 
-class ExportSpec(_Strict):
+class ExportSpec(Section):
     quantize: Literal[4, 8] | None = Field(
         4, description="bits of the shipped matrices (embedding included); null keeps floats"
     )
@@ -214,7 +211,7 @@ class ExportSpec(_Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
-class TrainRecipe(_Strict):
+class TrainRecipe(Section):
     version: Literal[1] = 1
     name: str = Field(description="names the output and cache directories")
     description: str | None = None
