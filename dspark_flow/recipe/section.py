@@ -3,7 +3,7 @@ recipes): what YAML lets through but a user never means is an error, not a silen
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any, ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -17,6 +17,8 @@ def _numbers_only(annotation: Any) -> bool:
 class Section(BaseModel):
     # Unknown keys are typos; .inf and .nan are YAML floats that no setting wants.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Number fields whose own validator reads a YAML boolean as a word (`draft_vocab: off`).
+    BOOLEAN_WORDS: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -27,6 +29,8 @@ class Section(BaseModel):
         if isinstance(data, dict):
             for name, value in data.items():
                 field = cls.model_fields.get(name) if isinstance(name, str) else None
-                if isinstance(value, bool) and field and _numbers_only(field.annotation):
+                if name in cls.BOOLEAN_WORDS or field is None or not isinstance(value, bool):
+                    continue
+                if _numbers_only(field.annotation):
                     raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
         return data

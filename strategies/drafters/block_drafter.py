@@ -37,6 +37,7 @@ from dspark_flow.strategy import BuildContext, Draft, Drafter, Sampler, Strategy
 
 
 class BlockDrafterConfig(StrategyConfig):
+    BOOLEAN_WORDS: ClassVar[frozenset[str]] = frozenset({"draft_vocab"})  # `draft_vocab: off`: all
     checkpoint: str = Field(
         "auto",
         description="builtin:<name>, hub repo id or local dir; 'auto' looks the target up in "
