@@ -20,10 +20,21 @@ def load_target(
     repo id or a local mlx-lm directory. Returns (model, tokenizer)."""
     from dspark_flow.models.loading import load_model_dir, resolve_model_path
 
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-        raise ConfigError(f"load_target: model is a model name or path, got {type(model).__name__}")
-    ref = DEFAULT_MODEL if model is None else os.fspath(model)  # "" is refused, not the default
-    return load_model_dir(resolve_model_path(ref, revision), weights)
+    ref = _model_ref(model, "load_target: model")
+    return load_model_dir(resolve_model_path(ref or DEFAULT_MODEL, revision), weights)
+
+
+def _model_ref(value: Any, what: str) -> str | None:
+    """A model name or path as a str (None stays None: the caller's default). An empty name is
+    refused, not taken for the default."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{what} is a model name or path, got {type(value).__name__}")
+    ref = os.fspath(value)
+    if not ref.strip():
+        raise ModelError(f"{what}: the model name is empty (None picks the default)")
+    return ref
 
 
 def sampler_section(
@@ -200,15 +211,8 @@ def load_pair(
     `load_drafter`."""
     from dspark_flow.models.drafter_loading import resolve_drafter
 
-    for name, value in (("target", target), ("drafter", drafter)):
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise ConfigError(
-                f"load_pair: {name} is a model name or path, got {type(value).__name__}"
-            )
-    target_ref = DEFAULT_MODEL if target is None else os.fspath(target)
-    if not target_ref.strip():
-        raise ModelError("load_pair: the model name is empty (None picks the embedded default)")
-    drafter = None if drafter is None else os.fspath(drafter)
+    target_ref = _model_ref(target, "load_pair: target") or DEFAULT_MODEL
+    drafter = _model_ref(drafter, "load_pair: drafter")
     if drafter is None:  # before any download: an unknown target fails fast
         entry = resolve_drafter(target_ref, kind)
         drafter, kind = str(entry["drafter"]), str(entry["kind"])

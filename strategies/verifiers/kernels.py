@@ -122,6 +122,17 @@ def _quant_args(module: nn.Module) -> tuple[mx.array, mx.array | None, mx.array 
     return module["weight"], module.get("scales"), module.get("biases")
 
 
+def _in_features(module: nn.Module) -> int:
+    """K of a routed layer: a quantized weight packs 32 // bits values per column."""
+    bits = getattr(module, "bits", 0)
+    return module["weight"].shape[1] * 32 // bits if bits else module["weight"].shape[1]
+
+
+def _stock_then(span: int, fn: Callable[..., Any], top: int) -> list[Callable[..., Any] | None]:
+    """A route by row count 0..top: MLX's own op (None) for rows up to `span`, `fn` past it."""
+    return [None] * (span + 1) + [fn] * (top - span)
+
+
 @dataclass(slots=True)
 class _Route:
     """What one layer may take: its activation dtype, the matmul for each verify row count
@@ -483,18 +494,10 @@ class KernelVerifier(Verifier):
         for module in layers:
             if id(module) in seen:  # a layer the forward never calls is left alone
                 w, s, _ = _quant_args(module)
-                if s is None:  # dense (bits 0): the CPU's invariant routes
-                    shape = (w.shape[0], w.shape[1], 0, 0, seen[id(module)], w.dtype)
-                else:
-                    k = w.shape[1] * 32 // module.bits
-                    shape = (
-                        w.shape[0],
-                        k,
-                        module.bits,
-                        module.group_size,
-                        seen[id(module)],
-                        s.dtype,
-                    )
+                bits, gs = getattr(module, "bits", 0), getattr(module, "group_size", 0)
+                # dense (bits 0, the CPU's invariant routes): the weights' dtype in the scales' place
+                wdt = w.dtype if s is None else s.dtype
+                shape = (w.shape[0], _in_features(module), bits, gs, seen[id(module)], wdt)
                 shapes.setdefault(shape, []).append(module)
         # Every kernel needs a GPU backend qmm_small_m knows (sdpa_small_q: CUDA, a subset).
         gpu = q.kernel_backend() is not None
@@ -579,7 +582,7 @@ class KernelVerifier(Verifier):
         if span == 0:
             self._not_invariant.append(f"no invariant dense matmul for {n}x{k}: {v.reason}")
             return [None] * (top + 1)
-        return [None] * (span + 1) + [stock_rows.dense_chunked(span)] * (top - span)
+        return _stock_then(span, stock_rows.dense_chunked(span), top)
 
     def _chunked_attention(
         self, shape: tuple[int, int, int, mx.Dtype], store: Any
@@ -588,23 +591,31 @@ class KernelVerifier(Verifier):
         bucket MLX's own attention for the query counts it computes as one (its probed span),
         in chunks of that span past them."""
         from dspark_flow.kernels import stock_rows
-        from dspark_flow.kernels.probe import KEY_BUCKETS, dtype_name, probe_sdpa_stock_span
+        from dspark_flow.kernels.probe import KEY_BUCKETS
 
-        hq, hkv, d, dtype = shape
         top = self._max_rows
         route = _AttentionRoute(shape, open_ended=True)
         for bucket in KEY_BUCKETS:
-            sp = probe_sdpa_stock_span(top, bucket, hq, hkv, d, dtype, store, self.config.reprobe)
-            self._note("sdpa_stock_span", sp, rows=top, keys=bucket, q_heads=hq, kv_heads=hkv,
-                       head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
-            span = min(int(sp.extra.get("span", 0)), top)
+            sp, span = self._attention_span(shape, bucket, store)
             if span == 0:
                 self._not_invariant.append(f"no invariant attention: {sp.reason}")
                 return None
-            route.by_rows[bucket] = [None] * (span + 1) + [stock_rows.attention_chunked(span)] * (
-                top - span
-            )
+            route.by_rows[bucket] = _stock_then(span, stock_rows.attention_chunked(span), top)
         return route
+
+    def _attention_span(
+        self, shape: tuple[int, int, int, mx.Dtype], bucket: int, store: Any
+    ) -> tuple[Any, int]:
+        """(verdict, span): how many query rows (at most max_rows) MLX's own attention computes
+        as it computes one, in this key bucket (`probe_sdpa_stock_span`, noted)."""
+        from dspark_flow.kernels.probe import dtype_name, probe_sdpa_stock_span
+
+        hq, hkv, d, dtype = shape
+        top = self._max_rows
+        sp = probe_sdpa_stock_span(top, bucket, hq, hkv, d, dtype, store, self.config.reprobe)
+        self._note("sdpa_stock_span", sp, rows=top, keys=bucket, q_heads=hq, kv_heads=hkv,
+                   head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
+        return sp, min(int(sp.extra.get("span", 0)), top)
 
     def _invariant_routes(
         self, shape: tuple[Any, ...], kernel: Callable[..., Any], verdicts: list[Any], store: Any
@@ -633,9 +644,7 @@ class KernelVerifier(Verifier):
             if span == top:
                 candidates.append((_per_token(stock), [None] * (top + 1)))
             for fn, costs in self._past_span(shape, span, where, store):
-                candidates.append(
-                    (_per_token(stock + costs), [None] * (span + 1) + [fn] * (top - span))
-                )
+                candidates.append((_per_token(stock + costs), _stock_then(span, fn, top)))
         if all(v.correct for v in verdicts):
             kernel_route = (_per_token([v.kernel_ms for v in verdicts]), [None] + [kernel] * top)
         chosen = self._choose(candidates, kernel_route)
@@ -763,7 +772,7 @@ class KernelVerifier(Verifier):
         MLX's own attention for the query counts it computes as one row (`stock_span`, measured
         and cached; at least one query), `sdpa_vector_rows` past them."""
         from dspark_flow.kernels import sdpa_vector_rows as sv
-        from dspark_flow.kernels.probe import dtype_name, probe_sdpa_rows, probe_sdpa_stock_span
+        from dspark_flow.kernels.probe import dtype_name, probe_sdpa_rows
 
         hq, hkv, d, dtype = shape
         top = self._max_rows
@@ -772,12 +781,9 @@ class KernelVerifier(Verifier):
         by_rows: dict[int, list[Callable[..., Any] | None]] = {}
         for bucket, vs in verdicts.items():
             self._more_probes(1)
-            sp = probe_sdpa_stock_span(top, bucket, hq, hkv, d, dtype, store, self.config.reprobe)
-            self._note("sdpa_stock_span", sp, rows=top, keys=bucket, q_heads=hq, kv_heads=hkv,
-                       head_dim=d, dtype=dtype_name(dtype))  # fmt: skip
-            span = max(1, min(int(sp.extra.get("span", 0)), top))
+            span = max(1, self._attention_span(shape, bucket, store)[1])
             costs = [v.twin_ms for v in vs[:span]]  # MLX's own attention, timed by probe_sdpa
-            by_rows[bucket] = [None] * (span + 1) + [fn] * (top - span)
+            by_rows[bucket] = _stock_then(span, fn, top)
             self._more_probes(top - span)
             for rows in range(span + 1, top + 1):
                 v = probe_sdpa_rows(rows, bucket, hq, hkv, d, dtype, self._vector_rows_kernel,
@@ -832,8 +838,8 @@ class KernelVerifier(Verifier):
             route = self._router.routes.get(id(module))  # type: ignore[union-attr]
             if route is not None:
                 w, bits = module["weight"], getattr(module, "bits", 0)
-                k = w.shape[1] * 32 // bits if bits else w.shape[1]
-                shape = f"{w.shape[0]}x{k} " + (f"b{bits}" if bits else dtype_name(w.dtype))
+                kind = f"b{bits}" if bits else dtype_name(w.dtype)
+                shape = f"{w.shape[0]}x{_in_features(module)} {kind}"
                 names = [getattr(fn, "__name__", "kernel") if fn else "stock"
                          for fn in route.by_rows[1:]]  # fmt: skip
                 routes[shape] = names + ["stock"] * (self._max_rows - len(names))
