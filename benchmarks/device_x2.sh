@@ -32,8 +32,9 @@
 # repeat the call for more trials and join the runs with `draft_caps.py --merge`.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
-# with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending` as
-# the budget allows.
+# with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
+# `solo-chat` (issue 6 on chat alone), `solo-synthetic` (issue 9 on a larger random-weight
+# target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
 #   bash benchmarks/device_x2.sh first    (with the last staged part: after `source .stage/unstage.sh`)
@@ -435,6 +436,23 @@ case "${1:-}" in
     SWEEP_GPU=0 sweep dspark "${TRIALS:-10}" $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 &
     SWEEP_GPU=1 sweep dflash "${TRIALS:-10}" $(upto 20) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 &
     wait
+    ;;
+  solo-chat)  # issue 6's chat question on a quiet GPU (after solo-first): DSpark on CHAT_N
+    # (default 6) held-out mt-bench prompts only, fixed KS (default 2,4,5) beside `auto`,
+    # `calibrated` and greedy, TRIALS (default 8) as the call holds; the CLI's stack
+    python3 benchmarks/heldout_prompts.py /tmp/held-all.jsonl --per-category "${CHAT_N:-6}"
+    grep '"category": "chat"' /tmp/held-all.jsonl > /tmp/chat.jsonl
+    sweep dspark "${TRIALS:-8}" $(upto 20) --ks "${KS:-2,4,5}" --verifier "${VERIFIER:-$CLI_VERIFIER}" --draft-vocab 8192 --prompts /tmp/chat.jsonl --max-tokens 128
+    ;;
+  solo-synthetic)  # issue 9 where matmuls set the cost: verdicts, cost curve and invariance on
+    # a random-weight target of SHAPE's shapes (default llama3-8b; kernels_device.py SYNTHETIC),
+    # 4-bit stock / `kernels` / invariant, and bf16 with DENSE=1
+    t=4bit-kernels,4bit-invariant; [ -z "${DENSE:-}" ] || t=$t,dense,dense-kernels
+    CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
+      --synthetic "${SHAPE:-llama3-8b}" --budget $(upto 30) --targets $t \
+      --out /tmp/kern-syn > $O/synthetic.log 2>&1 || ended $? "kernels_device --synthetic"
+    for f in kernels.json kernels.md kernels_cost.png verdicts.json; do cp /tmp/kern-syn/$f $O/synthetic-$f 2>/dev/null; done
+    grep -E "\(b\) K=(1|2|4|8|16) " $O/synthetic.log
     ;;
   solo-lookup)
     sweep lookup "${TRIALS:-2}" $(upto 20) --ks 1-10 --verifier "${VERIFIER:-$CLI_VERIFIER}" --lookup-max-draft 15 --per-category "${PER_CATEGORY:-2}" --max-tokens 128

@@ -19,6 +19,10 @@ kernel, faster or not), and dense (bf16; float32 on a CPU) stock and with `kerne
       interleaved so drift hits all targets alike; outputs compared with each target's greedy.
 Each phase checks a deadline (--budget, default 420 s) and trims itself to finish in time;
 --trials 0 skips (d) and gives its time to the others.
+--synthetic SHAPE runs (a)-(c) on a randomly initialised llama-layout target of a public
+model's shapes instead (SYNTHETIC below; 4-bit = group 64 with bf16 activations, as
+mlx-community's conversions): what the kernels do where matmuls, not the host, set the cost.
+Costs only: random weights accept nothing, so there is no (d).
 Re-draw the figure with matplotlib elsewhere: --replot kernels.json.
 """
 
@@ -47,6 +51,37 @@ COLORS = {
     "dense": (44, 160, 44),
     "dense-kernels": (148, 103, 189),
 }
+
+
+# Decoder shapes of public models (llama layout: a 4-bit matmul costs the same whatever the
+# weights' values). The token ids come from the embedded tokenizer, inside every vocabulary.
+SYNTHETIC = {
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+    "qwen3-1.7b": {"hidden_size": 2048, "num_hidden_layers": 28, "intermediate_size": 6144,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "vocab_size": 151936},
+    "tiny": {"hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152},
+}  # fmt: skip
+
+
+def synthetic_target(shape: str, weights: str) -> Any:
+    """A random-weight llama-layout model of SYNTHETIC[shape]: 'native' = 4-bit (group 64,
+    bf16 activations), else that float dtype. The same seed for every copy."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                           tie_word_embeddings=False, **SYNTHETIC[shape])  # fmt: skip
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16 if weights == "native" else getattr(mx, weights))
+    if weights == "native":
+        nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
 
 
 def say(msg: str) -> None:
@@ -397,6 +432,8 @@ def _fmt(v: float | None) -> str:
 
 def write_md(data: dict[str, Any], path: Path) -> None:
     lines = ["# Verify kernels on " + data["env"].get("device", "?"), ""]
+    if data.get("synthetic"):
+        lines += [f"Target: random weights, shapes {json.dumps(data['synthetic'])}.", ""]
     lines += [f"Environment: `{json.dumps(data['env'])}`; dense target = {data['dense']}.", ""]
     for target, verdicts in data.get("verdicts", {}).items():
         on = [v for v in verdicts if v["enabled"]]
@@ -494,7 +531,11 @@ def main() -> None:
                     "(4bit-stock always runs: the baseline); fewer targets, fewer probes")  # fmt: skip
     ap.add_argument("--shapes", action="store_true", help="also sweep 4/8-bit and half shapes")
     ap.add_argument("--replot", help="draw kernels_cost.png from this kernels.json and exit")
+    ap.add_argument("--synthetic", choices=sorted(SYNTHETIC),
+                    help="random-weight target of these shapes (costs only: no end to end)")  # fmt: skip
     args = ap.parse_args()
+    if args.synthetic:
+        args.trials = 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
@@ -535,8 +576,14 @@ def main() -> None:
         plan = {name: spec for name, spec in plan.items() if name in wanted}
     targets: dict[str, tuple[Any, Any, Any]] = {}
     data["verdicts"] = {}
+    if args.synthetic:
+        data["synthetic"] = {"shape": args.synthetic, **SYNTHETIC[args.synthetic]}
+        _, tok = load_target(weights="native")  # token ids only
     for name, (weights, config) in plan.items():
-        model, tok = load_target(weights=weights)
+        if args.synthetic:
+            model = synthetic_target(args.synthetic, weights)
+        else:
+            model, tok = load_target(weights=weights)
         verifier = ReferenceVerifier() if config is None else KernelVerifier(config)
         if config is not None:
             t = time.perf_counter()

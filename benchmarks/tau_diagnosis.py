@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
@@ -25,6 +26,14 @@ from dspark_flow.training.data import Sample, _encode, read_prompts
 from dspark_flow.training.recipe import PromptFile, load_train_recipe
 from dspark_flow.training.warm_start import start_from
 
+# name -> top-m per slot (slots past the list: top-1)
+BRANCH_SHAPES = {
+    "one chain": [1],
+    "top-2 first slot": [2],
+    "top-3 first slot": [3],
+    "top-2 first two slots": [2, 2],
+    "top-2 every slot": [2] * 16,
+}
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
 
@@ -53,21 +62,25 @@ def main() -> int:
 
     recipe = load_train_recipe(args.recipe)
     shipped = Path(args.drafter or recipe.output)
-    hits: dict[str, mx.array] = {}
+    ranks: dict[str, mx.array] = {}
     original = trainer_module.draft_losses
 
-    def keep_hits(logits, labels, weights, *rest, **kw):  # noqa: ANN001, ANN202
-        hits["last"] = (mx.argmax(logits, axis=-1) == labels) & (weights > 0)
+    def keep_ranks(logits, labels, weights, *rest, **kw):  # noqa: ANN001, ANN202
+        # The label's rank among the slot's logits (0: the argmax, the training pass's own hit
+        # test); slots without a label rank past every shape.
+        label = mx.take_along_axis(logits, labels[..., None], axis=-1)
+        ranks["last"] = mx.where(weights > 0, (logits > label).sum(-1), 1 << 30)
         return original(logits, labels, weights, *rest, **kw)
 
-    trainer_module.draft_losses = keep_hits  # the training pass's own hit test, per anchor
+    trainer_module.draft_losses = keep_ranks
     tr = trainer_module.DrafterTrainer(recipe, progress=False).warm_up()
     start_from(tr.model, tr.spec, shipped, recipe.drafter.kind, tr.mask_id, tr.compute_dtype)
     drafter = load_drafter(str(shipped), tr.target, quantize=None)
     first = tr.first_slot
     rows = {}
     for name, spec in prompt_sets(args.per_category).items():
-        dec, sim, forced = [], [], []
+        dec, forced = [], []
+        walked: dict[str, list[int]] = {shape: [] for shape in BRANCH_SHAPES}
         for prompt in read_prompts(spec):
             res = speculative_generate(
                 tr.target, tr.tokenizer, drafter, prompt,
@@ -85,21 +98,31 @@ def main() -> int:
             feats, t_logits = tr._target_pass(mx.array(b.tokens), mx.array(b.aligned))
             arrays = (b.block_ids, b.block_pos, b.mask, b.labels, b.prev, b.weights)
             tr._loss(tr.model, feats, t_logits, *map(mx.array, arrays))
-            runs = np.cumprod(np.array(hits["last"][0]), axis=-1).sum(-1)  # anchors in order
-            forced += (runs + 1).tolist()
-            i = 0
-            while i < len(runs):  # decoding's anchors: one after each accepted run
-                sim.append(int(runs[i]) + 1)
-                i += int(runs[i]) + 1
+            rank = np.array(ranks["last"][0])  # (anchors in order, slots)
+            forced += (np.cumprod(rank == 0, axis=-1).sum(-1) + 1).tolist()
+            for shape, tops in BRANCH_SHAPES.items():
+                limit = np.array((tops + [1] * rank.shape[-1])[: rank.shape[-1]])
+                walked[shape] += _walk(np.cumprod(rank < limit, axis=-1).sum(-1).tolist())
         rows[name] = {
             "decoded": float(np.mean(dec)),
-            "simulated": float(np.mean(sim)),
+            "simulated": float(np.mean(walked["one chain"])),
             "teacher_forced": float(np.mean(forced)),
+            "branches": {shape: float(np.mean(w)) for shape, w in walked.items()},
         }
-        print(name, {k: round(v, 2) for k, v in rows[name].items()}, flush=True)
+        flat = {k: v for k, v in rows[name].items() if k != "branches"} | rows[name]["branches"]
+        print(name, {k: round(v, 2) for k, v in flat.items()}, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _walk(runs: Sequence[int]) -> list[int]:
+    """Tokens per round where decoding's anchors fall: one after each accepted run."""
+    out, i = [], 0
+    while i < len(runs):
+        out.append(int(runs[i]) + 1)
+        i += int(runs[i]) + 1
+    return out
 
 
 if __name__ == "__main__":
