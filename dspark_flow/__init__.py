@@ -32,6 +32,7 @@ _EXPORTS = {
     "load_dflash_pair": "dspark_flow.api",
     "dflash_generate": "dspark_flow.api",
     "DsparkFlowError": "dspark_flow.errors",
+    "release_thread_streams": "dspark_flow.models.backend",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
         speculative_generate,
     )
     from dspark_flow.errors import DsparkFlowError
+    from dspark_flow.models.backend import release_thread_streams
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.recipe.load import load_recipe
     from dspark_flow.recipe.schema import Recipe

@@ -86,6 +86,20 @@ def test_prefix_cache_is_the_default_unless_the_user_picks_one():
     assert server_overrides(["cache.kind=kv"], 1024, None) == ["cache.kind=kv"]
 
 
+def test_a_recipes_own_prefix_cache_keeps_its_settings(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        RECIPE.read_text() + "\ncache: {kind: prefix, max_bytes: 1000, min_tokens: 8}\n"
+    )
+    kept = build_pipeline(recipe).recipe.cache
+    assert (kept.kind, kept.max_bytes, kept.min_tokens) == ("prefix", 1000, 8)
+    sized = build_pipeline(recipe, cache_bytes=4096).recipe.cache  # the flag, given, refines it
+    assert (sized.max_bytes, sized.min_tokens) == (4096, 8)
+    kv = tmp_path / "kv.yaml"
+    kv.write_text(RECIPE.read_text() + "\ncache: {kind: kv}\n")
+    assert build_pipeline(kv).recipe.cache.kind == "prefix"  # serving swaps a plain KV cache
+
+
 def test_cli_help_does_not_import_the_server_stack():
     code = (
         "import sys; from dspark_flow.cli.main import build_parser; build_parser(); "
@@ -133,6 +147,39 @@ def test_cli_reports_a_model_that_fails_to_load_once(tmp_path):
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if not line.startswith("loading ")]
     assert len(lines) == 1 and lines[0].startswith("error: could not load model"), run.stderr
+
+
+def test_cli_exits_cleanly_on_ctrl_c_after_serving():
+    """The engine thread ran MLX work; streams it leaves to interpreter exit abort the process
+    (exit 134, "terminate called without an active exception")."""
+    import json
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspark_flow", "serve", str(RECIPE), "--port", "0", "--no-warmup"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        url = lines[-1].split(" on ")[-1].strip()
+        body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            url + "/completions", body, {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert reply.status == 200
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, 130), "".join(lines) + rest  # 130: the CLI's code for Ctrl-C
+    assert "terminate called" not in rest
 
 
 # -- OpenAI ------------------------------------------------------------------------------------

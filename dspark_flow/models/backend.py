@@ -129,6 +129,17 @@ def warn_if_slow_blas(fmt: str) -> str | None:
     return message
 
 
+def release_thread_streams() -> None:
+    """Destroy the MLX streams the calling thread created. Call it last on any thread that ran
+    MLX work: streams left to interpreter exit abort the process (exit 134, "terminate called
+    without an active exception"; ml-explore/mlx#3126). The main thread needs no call."""
+    import mlx.core as mx
+
+    clear = getattr(mx, "clear_streams", None)  # absent from older MLX: nothing to clear there
+    if callable(clear):
+        clear()
+
+
 def backend_name() -> str:
     """'cpu', 'metal' or 'cuda': where mlx runs by default."""
     import mlx.core as mx

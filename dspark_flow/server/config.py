@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_flow.pipeline import Pipeline
-from dspark_flow.recipe.load import load_recipe, parse_override
+from dspark_flow.recipe.load import load_recipe, parse_override, parse_yaml, read_recipe_text
 from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
 
 MiB = 2**20
@@ -32,17 +32,21 @@ class ServerConfig:
 
 
 def server_overrides(
-    overrides: list[str], cache_bytes: int | None, max_active_bytes: int | None
+    overrides: list[str],
+    cache_bytes: int | None,
+    max_active_bytes: int | None,
+    recipe_cache: object = None,
 ) -> list[str]:
-    """The user's `--set`s, preceded by the prefix cache unless they chose a cache themselves."""
+    """The user's `--set`s, preceded by the prefix cache unless they chose a cache themselves.
+    A recipe whose own cache is already `prefix` keeps its settings (`recipe_cache`: the file's
+    cache section); the size flags, where given, refine them."""
     touches_cache = any(str(parse_override(o)[0][0]) == "cache" for o in overrides)
     if touches_cache:
         return list(overrides)
-    section = ["kind: prefix"]
-    if cache_bytes is not None:
-        section.append(f"max_bytes: {cache_bytes}")
-    if max_active_bytes is not None:
-        section.append(f"max_active_bytes: {max_active_bytes}")
+    sizes = {"max_bytes": cache_bytes, "max_active_bytes": max_active_bytes}
+    if isinstance(recipe_cache, dict) and recipe_cache.get("kind") == "prefix":
+        return [f"cache.{k}={v}" for k, v in sizes.items() if v is not None] + list(overrides)
+    section = ["kind: prefix"] + [f"{k}: {v}" for k, v in sizes.items() if v is not None]
     return [f"cache={{{', '.join(section)}}}", *overrides]
 
 
@@ -54,9 +58,11 @@ def build_pipeline(
     max_active_bytes: int | None = None,
     target: object = None,
 ) -> Pipeline:
+    data, _ = parse_yaml(read_recipe_text(recipe_path), str(recipe_path))
+    recipe_cache = data.get("cache") if isinstance(data, dict) else None
     recipe = load_recipe(
         recipe_path,
-        server_overrides(overrides or [], cache_bytes, max_active_bytes),
+        server_overrides(overrides or [], cache_bytes, max_active_bytes, recipe_cache),
         TOOL_DEFAULTS,
     )
     return Pipeline(recipe, target=target)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from dspark_flow.engine.decode import DoneEvent, TextEvent
 from dspark_flow.errors import DsparkFlowError
 from dspark_flow.log import get_logger
+from dspark_flow.models.backend import release_thread_streams
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.result import GenResult
 from dspark_flow.server.common import ApiError, Finished
@@ -187,6 +188,12 @@ class Engine:
         log.info("model ready", seconds=round(time.perf_counter() - started, 2))
 
     def _work(self) -> None:
+        try:
+            self._serve()
+        finally:
+            release_thread_streams()  # or the process aborts at exit (serve's Ctrl-C: exit 134)
+
+    def _serve(self) -> None:
         try:
             self._load()
             self.ready = True
