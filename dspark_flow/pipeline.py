@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from dspark_flow import registry
 from dspark_flow.engine.decode import Components, DoneEvent, Event, TextEvent, decode
-from dspark_flow.errors import ConfigError, DsparkFlowError, PromptError, validation_message
+from dspark_flow.errors import ConfigError, PromptError, validation_message
 from dspark_flow.log import get_logger
 from dspark_flow.recipe.load import load_recipe, validate
 from dspark_flow.recipe.schema import Recipe
@@ -260,7 +260,7 @@ class Pipeline:
         components = self._request_components(max_new_tokens, sampler, stop)
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
-            raise DsparkFlowError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         for event in decode(components, prompt_ids, stream_text=stream_text, started=started):
             if isinstance(event, DoneEvent):
                 r = event.result

@@ -232,3 +232,37 @@ def test_a_boolean_for_a_number_and_a_kind_that_is_no_name(tmp_path, capsys):
         assert message in _one_error_line(capsys)
     recipe.write_text("version: 1\nverifier: {kind: kernels, invariant: true}\n")  # real bools pass
     assert main(["validate", str(recipe)]) == 0
+
+
+def test_more_inputs_a_review_found_ending_in_a_traceback(tmp_path, capsys):
+    # A size flag of inf overflowed int() inside argparse, before the CLI's error handling.
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", QUICKSTART, "--cache-bytes", "inf"])
+    assert exit_.value.code == 2 and "not a size: 'inf'" in capsys.readouterr().err
+    # schema -o into a folder that does not exist.
+    assert main(["schema", "-o", str(tmp_path / "no" / "such" / "x.json")]) == 2
+    assert "cannot write" in _one_error_line(capsys)
+    # YAML nested deeper than Python's recursion limit.
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 3000 + "\n")
+    assert main(["validate", str(deep)]) == 2
+    assert "nested too deeply" in _one_error_line(capsys)
+    # bench into a folder it cannot write: refused before the run, not after it.
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    assert main(["bench", QUICKSTART, "--out", str(blocker / "report")]) == 2
+    assert "cannot write there" in _one_error_line(capsys)
+
+
+def test_a_boolean_inside_a_list_of_numbers_is_refused(tmp_path, capsys):
+    cases = {
+        "draft_cap: {kind: auto, depths: [true, 512]}": "draft_cap: depths[0]: expected a number",
+        "stop: [{kind: eos, extra_token_ids: [true]}]": "extra_token_ids[0]: expected a number",
+    }
+    for body, message in cases.items():
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"version: 1\n{body}\n")
+        assert main(["validate", str(recipe)]) == 2
+        assert message in _one_error_line(capsys)
+    recipe.write_text("version: 1\ndraft_cap: {kind: auto, depths: [64, 512]}\n")
+    assert main(["validate", str(recipe)]) == 0

@@ -10,6 +10,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from dspark_flow.cli.args import add_overrides
 
@@ -100,9 +101,21 @@ def _warn_mismatches(mismatches: list[dict]) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _check_writable(out: Path) -> None:
+    """Make the report folder and write a file in it, or say in one line why that fails."""
+    import tempfile
 
+    from dspark_flow.errors import DsparkFlowError
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise DsparkFlowError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+
+
+def run(args: argparse.Namespace) -> int:
     from dspark_flow.bench.api import MISMATCH_EXIT, bench, write_outputs
     from dspark_flow.bench.runner import BenchConfig
     from dspark_flow.errors import DsparkFlowError
@@ -110,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DsparkFlowError(f"--out {out} is a file; name a folder for the report")
+    _check_writable(out)  # before the run: a bench is too long to lose at the last step
     if args.from_json:
         from dspark_flow.bench.report import load_json
 

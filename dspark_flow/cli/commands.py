@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dspark_flow.cli.args import add_overrides, add_recipe
 from dspark_flow.errors import DsparkFlowError, RecipeError
@@ -109,8 +110,10 @@ def _schema(args: argparse.Namespace) -> int:
 
     text = json.dumps(recipe_json_schema(), indent=2)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        try:
+            Path(args.output).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise DsparkFlowError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     else:
         print(text)
     return 0

@@ -24,7 +24,7 @@ def _size(text: str) -> int:
     number = raw[:-1] if raw[-1:] in units else raw
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf, 1e400
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G, 1048576)") from None
     if value < 0:
         raise argparse.ArgumentTypeError("sizes must not be negative")

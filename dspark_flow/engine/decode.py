@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dspark_flow.engine.textstream import TextStream
-from dspark_flow.errors import ConfigError
+from dspark_flow.errors import ConfigError, PromptError
 from dspark_flow.result import GenResult
 from dspark_flow.strategy import (
     CacheStrategy,
@@ -105,7 +105,7 @@ def decode(
     """
     t0 = started if started is not None else time.perf_counter()
     if not prompt_ids:
-        raise ValueError("the prompt is empty")
+        raise PromptError("the prompt is empty")
     pending: list[str] = []
     stream = TextStream(c.tokenizer, c.stops, pending.append if stream_text else None)
     budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)

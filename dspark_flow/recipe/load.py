@@ -252,6 +252,8 @@ def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
         pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError(f"{source}{pos} malformed YAML: {reason}") from None
+    except RecursionError:
+        raise RecipeError(f"{source}: malformed YAML: nested too deeply") from None
 
 
 def loads_recipe(

@@ -3,7 +3,7 @@ recipes): what YAML lets through but a user never means is an error, not a silen
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, get_args
+from typing import Any, ClassVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -12,6 +12,16 @@ def _numbers_only(annotation: Any) -> bool:
     """An int or float field (optional or not) that takes no bool."""
     options = get_args(annotation) or (annotation,)
     return bool not in options and any(t in (int, float) for t in options)
+
+
+def _number_items(annotation: Any) -> bool:
+    """A list (or tuple) of numbers, optional or not: `depths: [64, 512]`."""
+    sequence = get_origin(annotation) in (list, tuple)
+    for option in (annotation,) if sequence else get_args(annotation):
+        if get_origin(option) in (list, tuple):
+            items = [a for a in get_args(option) if a is not Ellipsis]
+            return bool(items) and all(_numbers_only(a) for a in items)
+    return False
 
 
 class Section(BaseModel):
@@ -29,8 +39,13 @@ class Section(BaseModel):
         if isinstance(data, dict):
             for name, value in data.items():
                 field = cls.model_fields.get(name) if isinstance(name, str) else None
-                if name in cls.BOOLEAN_WORDS or field is None or not isinstance(value, bool):
+                if name in cls.BOOLEAN_WORDS or field is None:
                     continue
-                if _numbers_only(field.annotation):
+                if isinstance(value, bool) and _numbers_only(field.annotation):
                     raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+                if isinstance(value, (list, tuple)) and _number_items(field.annotation):
+                    for i, item in enumerate(value):
+                        if isinstance(item, bool):
+                            got = str(item).lower()
+                            raise ValueError(f"{name}[{i}]: expected a number, got {got}")
         return data
