@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -39,7 +38,6 @@ GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _BLOCK = 128  # threads per block / threadgroup: 4 warps (or simdgroups)
 
-KernelFn = Callable[..., "mx.array | None"]
 
 _CUDA_HEADER = (
     CUDA_FLOAT_CONVERSIONS
@@ -383,25 +381,3 @@ def qmm_small_m_emulated(
     b = 0.0 if biases is None else mx.repeat(biases.astype(mx.float32), group_size, axis=1)
     y = x.astype(mx.float32) @ (q * s + b).T
     return y.astype(output_dtype(x.dtype, scales.dtype))
-
-
-def cuda_source(x_dtype: str = "float", out_dtype: str = "float", **consts: int) -> str:
-    """The kernel as MLX's cuda_kernel would assemble it (for an offline nvcc syntax check)."""
-    lines = [f"  using T = {x_dtype};", f"  using U = {out_dtype};"]
-    lines += [f"  constexpr int {name} = {value};" for name, value in consts.items()]
-    sig = (
-        "(const float* x, const __grid_constant__ Shape x_shape, const uint32_t* w, "
-        "const __grid_constant__ Shape w_shape, const __half* scales, const __half* biases, "
-        "U_OUT* out)"
-    ).replace("U_OUT", out_dtype)
-    sig = sig.replace("const float* x", f"const {x_dtype}* x")
-    return (
-        '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
-        + _CUDA_HEADER
-        + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-        + f"__global__ void custom_kernel_{KERNEL_NAME}{sig} {{\n"
-        + "\n".join(lines)
-        + "\n"
-        + _CUDA_SOURCE
-        + "\n}\n}  // namespace mlx::core::cu\n"
-    )

@@ -13,7 +13,6 @@ import pytest
 import dspark_flow  # noqa: F401  (first: it preloads OpenBLAS before mlx, ~15x on CPU matmuls)
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
 
 
 @pytest.fixture(scope="session")
@@ -46,17 +45,6 @@ def fake_plugin(tmp_path, monkeypatch):
     yield install
     for name in [m for m in sys.modules if m.startswith(("acme", "other_spec"))]:
         del sys.modules[name]
-    registry.refresh()
-
-
-@pytest.fixture
-def no_plugins_env(monkeypatch):
-    from dspark_flow import registry
-
-    monkeypatch.setenv("DSPARK_FLOW_DISABLE_PLUGINS", "1")
-    registry.refresh()
-    yield
-    monkeypatch.delenv("DSPARK_FLOW_DISABLE_PLUGINS")
     registry.refresh()
 
 

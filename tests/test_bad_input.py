@@ -107,6 +107,15 @@ def test_train_check_reads_the_prompt_files_and_the_flags(tmp_path, capsys):
         assert why in _one_error_line(capsys)
     assert afile.read_text() == "mine" and (notes / "notes.txt").read_text() == "mine"
     assert main(["train", recipe, "--check", "--set", f"output={drafter}"]) == 0
+    capsys.readouterr()
+    # A key given twice: the inference recipe's loader refuses it, and so does training's.
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(Path(recipe).read_text() + "name: u\n")
+    assert main(["train", str(twice), "--check"]) == 2
+    assert "name: duplicate key" in _one_error_line(capsys)
+    # A warm start that does not exist yet is noted (a later stage may be checked first).
+    assert main(["train", recipe, "--check", "--set", f"train.init_from={tmp_path / 'no'}"]) == 0
+    assert "does not exist yet" in capsys.readouterr().err
 
 
 def test_http_content_errors_name_what_is_wrong():

@@ -51,10 +51,6 @@ class Replay:
     chosen: Counter[int] = field(default_factory=Counter)  # k per round
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
     def add(self, other: Replay) -> None:
         self.seconds += other.seconds
         self.tokens += other.tokens

@@ -7,6 +7,7 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from dspark_flow.cli.args import add_recipe
 from dspark_flow.errors import DsparkFlowError
@@ -56,6 +57,13 @@ def run(args: argparse.Namespace) -> int:
     if args.check or {"train", "export"} & set(stages):
         check_output(recipe, args.recipe)
     if args.check:
+        start = recipe.train.init_from
+        if start and not Path(start).exists():  # a later stage may check before an earlier runs
+            print(
+                f"note: train.init_from {start} does not exist yet: train it first, or a fresh "
+                "run stops there after making the data",
+                file=sys.stderr,
+            )
         print(f"{args.recipe}: ok ({recipe.drafter.kind}, block {recipe.drafter.block_size})")
         return 0
     command = "dspark-flow train " + " ".join(shlex.quote(a) for a in sys.argv[2:])

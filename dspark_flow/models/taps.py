@@ -118,16 +118,6 @@ class FeatureTaps:
         self.latest.clear()  # a later take without a forward in between must not reuse them
         return mx.concatenate(feats, axis=-1) if len(feats) > 1 else feats[0]
 
-    def remove(self) -> None:
-        """Give the layers back their own class (the model is as it was)."""
-        for layer in self.layers:
-            base = type(layer).__dict__.get("_dsf_base")
-            if base is not None:
-                layer.__class__ = base
-            layer.__dict__.pop(_ATTR, None)
-        self.layer_ids.clear()
-        self.latest.clear()
-
 
 def install_taps(model: nn.Module, layer_ids: list[int]) -> FeatureTaps:
     """Tap `layer_ids` of `model` (idempotent; one `FeatureTaps` per model, ids accumulate)."""
@@ -137,12 +127,6 @@ def install_taps(model: nn.Module, layer_ids: list[int]) -> FeatureTaps:
         object.__setattr__(model, _TAPS_ATTR, taps)
     taps.add(layer_ids)
     return taps
-
-
-def remove_taps(model: nn.Module) -> None:
-    taps: FeatureTaps | None = model.__dict__.pop(_TAPS_ATTR, None)
-    if taps is not None:
-        taps.remove()
 
 
 def target_hidden_size(model: nn.Module) -> int:

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dspark_flow import registry
 from dspark_flow.errors import RecipeError, RegistryError
 from dspark_flow.recipe.schema import SLOT_DEFAULTS, Recipe, RecipeShape
 
 Loc = tuple[str | int, ...]
+M = TypeVar("M", bound=BaseModel)
 
 
 class _Located:
@@ -185,6 +186,29 @@ def _validate_slot(slot: str, section: Any, loc: Loc, where: _Located, problems:
     except ValidationError as exc:
         problems.extend(_pydantic_problems(exc, where, loc))
         return None
+
+
+def validate_model(
+    model: type[M],
+    data: Any,
+    source: str,
+    root: yaml.Node | None = None,
+    overridden: dict[Loc, str] | None = None,
+    what: str = "a recipe",
+) -> M:
+    """`data` validated as one pydantic model (a training recipe), every problem located, and
+    duplicate keys refused as `validate` refuses them in an inference recipe."""
+    where = _Located(source, root, overridden or {})
+    problems = [where.problem(loc, msg, at_key=True) for loc, msg in _duplicate_keys(root)]
+    if not isinstance(data, dict):
+        raise RecipeError(where.problem((), f"{what} is a mapping, got {type(data).__name__}"))
+    try:
+        result = model.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(problems + _pydantic_problems(exc, where, ())) from None
+    if problems:
+        raise RecipeError(problems)
+    return result
 
 
 def validate(

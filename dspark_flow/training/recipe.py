@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dspark_flow.errors import ConfigError, RecipeError
 from dspark_flow.recipe.schema import DEFAULT_MODEL, WeightFormat
@@ -200,7 +200,6 @@ class TrainSpec(Section):
 class EvalSpec(Section):
     prompts: list[PromptFile] = Field(default_factory=list)
     max_new_tokens: int = Field(128, ge=1)
-    every: int | None = Field(None, ge=1, description="also evaluate every N steps (slow)")
 
 
 class ExportSpec(Section):
@@ -293,7 +292,7 @@ def loads_train_recipe(
     overrides: list[str] | None = None,
     base: Path | None = None,
 ) -> TrainRecipe:
-    from dspark_flow.recipe.load import _Located, _pydantic_problems, apply_overrides, parse_yaml
+    from dspark_flow.recipe.load import apply_overrides, parse_yaml, validate_model
 
     data, root = parse_yaml(text, source)
     if data is None:
@@ -301,11 +300,7 @@ def loads_train_recipe(
     if not isinstance(data, dict):
         raise RecipeError(f"{source} a training recipe is a mapping, got {type(data).__name__}")
     overridden = apply_overrides(data, overrides or [])
-    where = _Located(source, root, overridden)
-    try:
-        recipe = TrainRecipe.model_validate(data)
-    except ValidationError as exc:
-        raise RecipeError(_pydantic_problems(exc, where, ())) from None
+    recipe = validate_model(TrainRecipe, data, source, root, overridden, "a training recipe")
     _resolve_paths(recipe, base or Path.cwd())
     check_prompt_files(recipe, source)
     return recipe
