@@ -186,6 +186,7 @@ def measure_verify(
     warmup: int = 2,
     forward: Forward | None = None,
     vocab: int | None = None,
+    tick: Callable[[], object] | None = None,
 ) -> list[list[float]]:
     """Median seconds of one verify round for K = 1..max_rows rows at each depth.
 
@@ -223,6 +224,8 @@ def measure_verify(
                     times[rows - 1].append(time.perf_counter() - t0)
                 if fresh_lengths:  # untimed: the next key length
                     mx.eval(forward(model, probe[:1], cache))
+                if tick is not None:
+                    tick()
         out.append([statistics.median(t) for t in times])
         del cache
     return out
@@ -238,6 +241,7 @@ def measure_drafter(
     forward: Forward | None = None,
     repeats: int = 5,
     warmup: int = 1,
+    tick: Callable[[], object] | None = None,
 ) -> list[float]:
     """Median seconds of `drafter.propose(history, k)` for k = 0..block (index k).
 
@@ -272,6 +276,8 @@ def measure_drafter(
                 mx.eval(draft.probs)
             if r >= warmup:
                 times[k].append(time.perf_counter() - t0)
+            if tick is not None:
+                tick()
     return [0.0] + [statistics.median(t) for t in times[1:]]
 
 
@@ -287,22 +293,31 @@ def measure(
     history: list[int] | None = None,
     forward: Forward | None = None,
 ) -> Curves:
-    """Both curves for k = 1..block."""
+    """Both curves for k = 1..block, with a progress bar on a terminal: a first run on a CPU
+    measures for one to three minutes before it generates anything (cached afterwards)."""
+    from tqdm.auto import tqdm
+
     rows = block + 1
     ds = usable_depths(depths, rows, context_limit(model))
     t0 = time.perf_counter()
-    verify = measure_verify(model, ds, rows, repeats=repeats, warmup=warmup, forward=forward)
-    history = history or filler_tokens(256, 32000, seed=1)
-    draft = measure_drafter(
-        drafter,
-        history,
-        block,
-        sampler,
-        model=model,
-        forward=forward,
-        repeats=repeats,
-        warmup=warmup,
-    )
+    steps = (warmup + repeats) * (len(ds) * rows + block)
+    with tqdm(total=steps, desc="measuring draft costs (once)", unit="forward", leave=False,
+              disable=None) as bar:  # fmt: skip
+        verify = measure_verify(
+            model, ds, rows, repeats=repeats, warmup=warmup, forward=forward, tick=bar.update
+        )
+        history = history or filler_tokens(256, 32000, seed=1)
+        draft = measure_drafter(
+            drafter,
+            history,
+            block,
+            sampler,
+            model=model,
+            forward=forward,
+            repeats=repeats,
+            warmup=warmup,
+            tick=bar.update,
+        )
     meta = {
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seconds": round(time.perf_counter() - t0, 3),
