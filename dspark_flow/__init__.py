@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # Before anything imports mlx.core: let libmlx bind its BLAS calls to OpenBLAS where installed
-# (the mlx[cpu] wheel's own reference BLAS makes float32 matmuls 3-130x slower).
+# (the mlx[cpu] wheel's own reference BLAS makes float32 forwards 2.6-19x slower).
 from dspark_flow.models.backend import prefer_openblas as _prefer_openblas  # noqa: E402
 
 _prefer_openblas()

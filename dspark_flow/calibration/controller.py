@@ -174,8 +174,8 @@ class AdaptiveCapConfig(CurveCapConfig):
         0.9,
         ge=0.5,
         lt=1,
-        description="switch drafting off only when at least this sure (Beta posterior of the "
-        "first position's acceptance) that it does not pay",
+        description="switch drafting off only when at least this sure that it does not pay "
+        "(this quantile of the Beta posteriors of the first and later positions' acceptance)",
     )
     switch_margin: float = Field(
         0.0,

@@ -1,9 +1,10 @@
-"""What `auto` learns from each round's (proposed, accepted): how often drafted positions are
-accepted, and how many tokens the drafter proposes when allowed k.
+"""What `auto` learns from each round: how often drafted positions are accepted and how many
+tokens the drafter proposes when allowed k (from (proposed, accepted)), and how much longer or
+shorter the round took than the curves charged (`RoundCostOffset`, from its seconds).
 
-Both use exponentially decaying counts (old evidence fades, memory ~`window` rounds) and, at a
-new request, keep what was learnt at a small weight (`carry_weight` rounds), since prompts
-differ in how well a drafter does on them.
+The first two use exponentially decaying counts (old evidence fades, memory ~`window` rounds)
+and, at a new request, keep what was learnt at a small weight (`carry_weight` rounds), since
+prompts differ in how well a drafter does on them.
 """
 
 from __future__ import annotations

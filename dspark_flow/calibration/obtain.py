@@ -53,7 +53,7 @@ def obtain_curves(
     key = make_key(
         model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings
     )
-    if sampler is None:  # only a draft model looks at it; greedy is the cheapest honest choice
+    if sampler is None:  # drafters ask it whether to draw or take the argmax: greedy is cheapest
         from dspark_flow.strategies.samplers.greedy import GreedySampler
 
         sampler = GreedySampler()

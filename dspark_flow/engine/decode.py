@@ -1,8 +1,9 @@
 """The one decode loop: draft -> verify -> accept -> roll back -> stop?
 
 Plain decoding is this loop with a drafter that proposes nothing. Each round does one target
-forward over [last committed token] + draft, one host sync (inside the sampler's verify), trims
-the rejected tail from the cache and checks the stop rules on what was committed.
+forward over [last committed token] + draft, the loop's one host sync (inside the sampler's
+verify; a drafter that must see its own tokens syncs in `propose` too), trims the rejected tail
+from the cache and checks the stop rules on what was committed.
 """
 
 from __future__ import annotations

@@ -77,8 +77,16 @@ class KernelsConfig(LayerOptions):
         description="route the tied output head (a quantized embedding; on the CPU in "
         "invariant mode a float one too) as the other matmuls are routed",
     )
-    matmuls: bool = Field(True, description="route the quantized matmuls (qmm_small_m)")
-    attention: bool = Field(True, description="route verify-side attention (sdpa_small_q)")
+    matmuls: bool = Field(
+        True,
+        description="route the layers' matmuls (qmm_small_m; in invariant mode also qmv_rows, "
+        "MLX's own in chunks, and on the CPU the dense layers' chunked route)",
+    )
+    attention: bool = Field(
+        True,
+        description="route verify-side attention (sdpa_small_q; in invariant mode also "
+        "sdpa_vector_rows and, on the CPU, MLX's attention in chunks)",
+    )
     invariant: bool = Field(
         False,
         description="give every layer and the attention one route for all row counts "
@@ -876,7 +884,7 @@ class KernelVerifier(Verifier):
 
     # -- forward ---------------------------------------------------------------------------
 
-    def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
+    def forward(self, model: nn.Module, tokens: list[int] | mx.array, cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
         with compiled_scope(self.compiled):
             if self._router is None:

@@ -38,7 +38,7 @@ class ReferenceVerifier(Verifier):
         self.compiled.install(ctx.model)
         self._model_id = id(ctx.model)
 
-    def forward(self, model: nn.Module, tokens: list[int], cache: list[Any]) -> mx.array:
+    def forward(self, model: nn.Module, tokens: list[int] | mx.array, cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
         with compiled_scope(self.compiled):
             return model(ids, cache=cache)[0]
