@@ -104,6 +104,14 @@ def test_a_changed_weight_format_changes_the_key(tiny, tmp_path):
     assert CurveStore(tmp_path).path_for(k32) != CurveStore(tmp_path).path_for(k16)
 
 
+def test_a_shipped_drafter_is_identified_by_its_files():
+    # A retrained drafter shipped under the same name must not reuse the old one's curves.
+    from dspark_flow.calibration.store import checkpoint_identity
+
+    ident = checkpoint_identity("builtin:smollm2-135m-dspark")
+    assert ident["config_sha256"] and ident["weight_sizes"]["model.safetensors"] > 0
+
+
 def test_the_key_ignores_what_changes_between_runs_of_one_device(tiny, monkeypatch):
     """CUDA's device_info carries the free memory (and the card's uuid and bus id): the key must
     not, or every process measures its curves again; the kind of device still keys them."""

@@ -86,11 +86,16 @@ def weight_format(model: Any) -> str:
 def _model_dir(ref: str, revision: str | None) -> Path | None:
     """The local directory of an already fetched model, without fetching anything."""
     try:
-        if ref.startswith("builtin:"):  # only if already built: never download for a key
+        if ref.startswith("builtin:"):  # a shipped drafter, or a model already built: never
+            # download or convert for a key
             from dspark_flow.models.embedded import cache_root
+            from dspark_flow.models.loading import SHIPPED_DRAFTERS
 
-            built = cache_root() / "models" / ref.removeprefix("builtin:")
-            return built if (built / "config.json").is_file() else None
+            name = ref.removeprefix("builtin:")
+            for found in (SHIPPED_DRAFTERS / name, cache_root() / "models" / name):
+                if (found / "config.json").is_file():
+                    return found
+            return None
         local = Path(ref).expanduser()
         if local.is_dir():
             return local

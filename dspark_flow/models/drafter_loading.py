@@ -254,11 +254,14 @@ def compute_dtype(requested: str) -> mx.Dtype | None:
     return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[requested]
 
 
-def _quantizable(_path: str, module: nn.Module) -> bool:
+def quantizable(module: nn.Module, group: int = QUANT_GROUP) -> bool:
+    """A matrix that quantizes in groups of `group` (at load time and at export alike)."""
     if not isinstance(module, (nn.Linear, nn.Embedding)):
         return False
     out_dim, in_dim = module.weight.shape
-    return in_dim % QUANT_GROUP == 0 and out_dim >= QUANT_GROUP
+    # A single-group row (the Markov head's rank-32 factors) stays float: MLX 0.32's CUDA
+    # quantized kernels fail on it ("SmallVector out of range"), and it is small anyway.
+    return in_dim % group == 0 and in_dim > group and out_dim >= group
 
 
 def resolve_quantize(quantize: int | str | None) -> int | None:
@@ -371,7 +374,12 @@ def load_drafter_weights(
     if target_dtype is not None:
         model.set_dtype(target_dtype)
     if bits and not plan:
-        nn.quantize(model, group_size=QUANT_GROUP, bits=bits, class_predicate=_quantizable)
+        nn.quantize(
+            model,
+            group_size=QUANT_GROUP,
+            bits=bits,
+            class_predicate=lambda _path, m: quantizable(m),
+        )
     mx.eval(model.parameters())
     return model
 

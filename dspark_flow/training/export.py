@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dspark_flow.errors import DsparkFlowError
+from dspark_flow.models.drafter_loading import quantizable
 from dspark_flow.training.recipe import TrainRecipe
 
 WEIGHTS = "model.safetensors"
@@ -69,15 +70,6 @@ def drafter_config(recipe: TrainRecipe, dims: dict[str, int], mask_token_id: int
     }
 
 
-def _quantizable(module: nn.Module, group: int) -> bool:
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
-        return False
-    out_dim, in_dim = module.weight.shape
-    # A single-group row (the Markov head's rank-32 factors) stays float: MLX 0.32's CUDA
-    # quantized kernels fail on it ("SmallVector out of range"), and it is small anyway.
-    return in_dim % group == 0 and in_dim > group and out_dim >= group
-
-
 def export_weights(
     model: nn.Module, dtype: mx.Dtype, quantize: int | None, group_size: int
 ) -> dict[str, mx.array]:
@@ -91,7 +83,7 @@ def export_weights(
         out = {k: v.astype(dtype) for k, v in flat.items()}
         if quantize:
             for path, module in model.named_modules():
-                if not path or not _quantizable(module, group_size):
+                if not path or not quantizable(module, group_size):
                     continue
                 w = flat[f"{path}.weight"].astype(mx.float32)
                 q, scales, biases = mx.quantize(w, group_size=group_size, bits=quantize)
