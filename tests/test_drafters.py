@@ -506,7 +506,7 @@ def test_quantize_auto_keeps_a_float_checkpoint_float_on_cpu(tmp_path, monkeypat
     from dspark_flow.strategies.drafters.dspark import DSparkConfig
 
     assert DSparkConfig().quantize == "auto"
-    cfg = h.deepspec_config(64, VOCAB, 4, [0, 2], head_dim=32)  # hidden 64: quantizable
+    cfg = h.deepspec_config(128, VOCAB, 4, [0, 2], head_dim=32)  # hidden 128: two groups of 64
     path = h.write_checkpoint(tmp_path / "f", cfg, h.random_tensors(cfg))
     monkeypatch.setattr("dspark_flow.models.backend.backend_name", lambda: "cpu")
     model = _load_model(path)
