@@ -73,10 +73,13 @@ def run_recipe(
     stop: str | Sequence[str] | None = None,
     on_text: Callable[[str], None] | None = None,
     chat: bool = True,
+    verifier: dict[str, Any] | None = None,
     objects: dict[str, Any] | None = None,
 ) -> GenResult:
-    """Build and run the recipe these arguments describe. `objects` passes ready strategy
-    objects by slot (e.g. a drafter holding an already loaded model)."""
+    """Build and run the recipe these arguments describe. `verifier`: the recipe's verifier
+    section (default `reference`; `{"kind": "kernels", "invariant": True}` is the CLI's exact
+    stack, which warms up, and on a GPU probes, per call: for many calls build a `Pipeline`).
+    `objects` passes ready strategy objects by slot (e.g. a drafter holding a loaded model)."""
     recipe: dict[str, Any] = {
         "drafter": drafter,
         "sampler": sampler_section(temperature, top_p, top_k, min_p, seed),
@@ -87,6 +90,8 @@ def run_recipe(
         recipe["stop"].append({"kind": "strings", "strings": stop_strings(stop)})
     if draft_cap is not None:
         recipe["draft_cap"] = draft_cap
+    if verifier is not None:
+        recipe["verifier"] = verifier
     pipeline = Pipeline.from_dict(recipe, target=(target, tokenizer), **(objects or {}))
     return pipeline.generate(prompt, on_text=on_text)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dspark_flow.api import draft_model_generate, greedy_generate, lookup_generate
-from dspark_flow.errors import ConfigError, RecipeError
+from dspark_flow.errors import ConfigError, DsparkFlowError, RecipeError
 from dspark_flow.pipeline import Pipeline
 
 PROMPTS = [
@@ -50,6 +50,16 @@ def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
         assert sum(res.accept_lengths) >= res.num_tokens - 1
         drafted += res.num_tokens - 1 - res.num_rounds
     assert drafted > 50  # the copy-heavy prompts really did accept drafts
+
+
+def test_the_one_call_api_takes_a_verifier(embedded, greedy_refs):
+    model, tok = embedded
+    prompt, ref = PROMPTS[0]["turns"][0], greedy_refs[0]
+    section = {"kind": "reference", "compile_layers": True}
+    res = lookup_generate(model, tok, prompt, max_new_tokens=MAX_NEW, verifier=section)
+    assert res.token_ids == ref.token_ids
+    with pytest.raises(DsparkFlowError, match="verifier"):
+        greedy_generate(model, tok, prompt, max_new_tokens=4, verifier={"kind": "nope"})
 
 
 def test_draft_model_lossless_with_a_disagreeing_draft(embedded, greedy_refs):
