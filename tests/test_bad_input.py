@@ -275,3 +275,11 @@ def test_a_boolean_inside_a_list_of_numbers_is_refused(tmp_path, capsys):
         assert message in _one_error_line(capsys)
     recipe.write_text("version: 1\ndraft_cap: {kind: auto, depths: [64, 512]}\n")
     assert main(["validate", str(recipe)]) == 0
+
+
+def test_each_checker_names_the_other_for_the_other_kind_of_recipe(capsys):
+    train = str(REPO / "recipes" / "train" / "smollm2-135m-dspark.yaml")
+    assert main(["validate", train]) == 2
+    assert "this is a training recipe" in _one_error_line(capsys)
+    assert main(["train", QUICKSTART, "--check"]) == 2
+    assert "this is an inference recipe" in _one_error_line(capsys)

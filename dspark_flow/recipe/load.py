@@ -223,6 +223,11 @@ def validate(
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(where.problem((), f"a recipe is a mapping, got {type(data).__name__}"))
+    if {"data", "train"} <= data.keys():
+        raise RecipeError(
+            f"{source}: this is a training recipe (it has data and train sections): "
+            f"check it with `dspark-flow train {source} --check`"
+        )
     try:
         shape = RecipeShape.model_validate(data)
     except ValidationError as exc:

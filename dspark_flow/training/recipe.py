@@ -299,6 +299,11 @@ def loads_train_recipe(
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(f"{source} a training recipe is a mapping, got {type(data).__name__}")
+    if "data" not in data and {"verifier", "sampler", "draft_cap", "cache", "stop"} & data.keys():
+        raise RecipeError(
+            f"{source}: this is an inference recipe (no data section): check it with "
+            f"`dspark-flow validate {source}`"
+        )
     overridden = apply_overrides(data, overrides or [])
     recipe = validate_model(TrainRecipe, data, source, root, overridden, "a training recipe")
     _resolve_paths(recipe, base or Path.cwd())
