@@ -17,8 +17,43 @@ _PRE_CHAIN: list[Any] = [
 ]
 
 
+def _formatter(fmt: str, colors: bool = False) -> logging.Formatter:
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=colors)
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=_PRE_CHAIN,
+    )
+
+
+class _Unconfigured(logging.Handler):
+    """Warnings while no application has configured logging, rendered as the CLI renders them:
+    Python's last-resort handler would print structlog's raw event dict. Silent once the
+    application's root logger has a handler (the record propagates there) or `configure` ran."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # logging must never raise into the library
+            self.handleError(record)
+
+
+def _fallback() -> None:
+    root = logging.getLogger(LOGGER_NAME)
+    if not root.handlers:
+        handler = _Unconfigured(logging.WARNING)
+        handler.setFormatter(_formatter("console"))
+        root.addHandler(handler)
+
+
 def get_logger(name: str = LOGGER_NAME) -> Any:
     """A structlog logger that writes through stdlib logging (configured or not)."""
+    _fallback()
     return structlog.wrap_logger(
         logging.getLogger(name),
         processors=[
@@ -32,18 +67,8 @@ def get_logger(name: str = LOGGER_NAME) -> Any:
 
 def configure(fmt: str = "console", level: str = "info") -> None:
     """Send the library's records to stderr as console lines or JSON objects."""
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-            foreign_pre_chain=_PRE_CHAIN,
-        )
-    )
+    handler.setFormatter(_formatter(fmt, colors=sys.stderr.isatty()))
     root = logging.getLogger(LOGGER_NAME)
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

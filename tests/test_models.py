@@ -473,6 +473,8 @@ def test_slow_blas_warning_names_the_import_order():
     assert "import dspark_flow before mlx" in first and "too late" in first
     assert "apt-get" not in first  # installing OpenBLAS would not fix the import order
     assert again == first and out.stderr.count("slow_blas") == 1
+    # With logging left unconfigured, the warning reads as the CLI's lines do, not as a dict.
+    assert "[warning" in out.stderr and "{'message'" not in out.stderr, out.stderr
     assert other == "None"  # the warning is about float32 matmuls
     if backend.blas_status()["active"]:  # this process: OpenBLAS in place, nothing to say
         assert backend.warn_if_slow_blas("float32") is None
