@@ -179,3 +179,19 @@ def test_draft_model_with_other_tokenizer_is_refused(embedded, tmp_path):
     )
     with pytest.raises(ConfigError, match="different tokenizer"):
         pipe.warm_up()
+
+
+def test_cli_prompt_from_stdin_asks_what_the_argument_asks(monkeypatch, capsys):
+    """`echo PROMPT | dspark-flow run R --prompt -` ends its prompt with echo's newline."""
+    import io
+
+    from dspark_flow.cli.main import main
+
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "quickstart.yaml")
+    argv = ["run", recipe, "--max-tokens", "8", "--json"]
+    assert main([*argv, "--prompt", "Say hello."]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say hello.\n"))
+    assert main([*argv, "--prompt", "-"]) == 0
+    piped = json.loads(capsys.readouterr().out)
+    assert piped["token_ids"] == direct["token_ids"]

@@ -53,7 +53,9 @@ def _run(args: argparse.Namespace) -> int:
             raise DsparkFlowError(f"--max-draft {args.max_draft}: expected auto or a count >= 1")
         section = "{kind: auto}" if cap == "auto" else f"{{kind: fixed, k: {int(cap)}}}"
         args.overrides = [f"draft_cap={section}", *args.overrides]
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # From stdin, less the newline that ends `echo`'s and most files' last line: `echo X |`
+    # then asks what `--prompt X` asks.
+    prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
     pipeline = Pipeline.from_yaml(args.recipe, args.overrides, defaults=TOOL_DEFAULTS).warm_up()
