@@ -38,11 +38,9 @@ Op = Callable[..., Any]
 
 def cache_dir() -> Path:
     """$DSPARK_FLOW_KERNEL_CACHE, else `cache_root()/kernels`."""
-    if path := os.environ.get(CACHE_ENV):
-        return Path(path).expanduser()
-    from dspark_flow.models.embedded import cache_root
+    from dspark_flow.models.embedded import cache_subdir
 
-    return cache_root() / "kernels"
+    return cache_subdir(CACHE_ENV, "kernels")
 
 
 @cache

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from dspark_flow.engine.decode import PREFILL_CHUNK
+
 DEFAULT_DEPTHS: tuple[int, ...] = (64, 512, 2048)
-PREFILL_CHUNK = 512  # same bound on activation memory as the decode loop
 
 Forward = Callable[[Any, list[int], list[Any]], Any]
 

@@ -33,11 +33,9 @@ ENV_DIR = "DSPARK_FLOW_CALIBRATION_DIR"  # separate from DSPARK_FLOW_HOME (which
 
 def calibration_dir() -> Path:
     """$DSPARK_FLOW_CALIBRATION_DIR, else <cache_root()>/calibration."""
-    if given := os.environ.get(ENV_DIR):
-        return Path(given).expanduser()
-    from dspark_flow.models.embedded import cache_root
+    from dspark_flow.models.embedded import cache_subdir
 
-    return cache_root() / "calibration"
+    return cache_subdir(ENV_DIR, "calibration")
 
 
 def _sha256_text(text: str) -> str:

@@ -51,6 +51,13 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "dspark-flow"
 
 
+def cache_subdir(env: str, name: str) -> Path:
+    """$`env` if set, else `cache_root()/name`: a cache that can live apart from the models."""
+    if given := os.environ.get(env):
+        return Path(given).expanduser()
+    return cache_root() / name
+
+
 def _spec(name: str) -> dict[str, Any]:
     if name not in BUILTIN_MODELS:
         raise ModelError(

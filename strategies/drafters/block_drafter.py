@@ -195,6 +195,10 @@ class BlockDrafter(Drafter):
     def block_size(self) -> int:
         return self.spec.block_size if self.spec is not None else 0
 
+    @property
+    def max_draft(self) -> int | None:
+        return (self.block_size - self.first_slot) if self.spec is not None else None
+
     def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
         if self._taps is None:
             raise DsparkFlowError(f"drafter {self.config.kind}: warm_up() first")

@@ -63,10 +63,6 @@ class DFlashDrafter(BlockDrafter):
         self._embed: Any = None
         self._head: Any = None
 
-    @property
-    def max_draft(self) -> int | None:
-        return (self.block_size - self.first_slot) if self.spec is not None else None
-
     def build(self, spec: DrafterSpec) -> DrafterBackbone:
         return DFlash2Model(spec) if spec.layout == DFLASH2 else DrafterBackbone(spec.backbone)
 

@@ -123,10 +123,6 @@ class DSparkDrafter(BlockDrafter):
         self._head: Any = None  # the draft vocabulary's rows of the head (None: the full head)
         self._markov_w2: Any = None  # ... and of the Markov head's output factor
 
-    @property
-    def max_draft(self) -> int | None:
-        return (self.block_size - self.first_slot) if self.spec is not None else None
-
     def build(self, spec: DrafterSpec) -> DSparkModel:
         return DSparkModel(spec)
 
