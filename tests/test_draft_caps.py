@@ -659,6 +659,9 @@ def test_cli_calibrate_and_max_draft(tmp_path, monkeypatch, capsys):
     assert main(args) == 0 and "[cached:" in capsys.readouterr().out
     assert main(["run", recipe, "--prompt", "hi", "--max-draft", "seven"]) == 2
     assert "--max-draft" in capsys.readouterr().err
+    plain = str(Path(recipe).parent / "quickstart.yaml")
+    assert main(["run", plain, "--prompt", "hi", "--max-tokens", "2", "--max-draft", "4"]) == 0
+    assert "--max-draft does nothing with drafter none" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -58,7 +58,10 @@ def _run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
-    pipeline = Pipeline.from_yaml(args.recipe, args.overrides, defaults=TOOL_DEFAULTS).warm_up()
+    pipeline = Pipeline.from_yaml(args.recipe, args.overrides, defaults=TOOL_DEFAULTS)
+    if args.max_draft is not None and pipeline.recipe.drafter.kind == "none":
+        print("note: --max-draft does nothing with drafter none (plain decoding)", file=sys.stderr)
+    pipeline.warm_up()
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)

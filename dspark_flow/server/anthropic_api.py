@@ -11,40 +11,32 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from dspark_flow.server.common import ApiError, Finished, sse
+from dspark_flow.server.common import (
+    ApiError,
+    Finished,
+    Strict,
+    TextPart,
+    parts_text,
+    refuse_empty,
+    sse,
+)
 from dspark_flow.server.engine import Job
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class Block(_Strict):
-    type: str
-    text: str | None = None
+Block = TextPart  # Anthropic's name for a piece of content
 
 
 def _blocks_text(content: str | list[Block]) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for block in content:
-        if block.type != "text":
-            raise ValueError(f"content blocks of type {block.type!r} are not supported")
-        if block.text is None:
-            raise ValueError("a text block needs its 'text'")
-        parts.append(block.text)
-    return "".join(parts)
+    return parts_text(content, "block")
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(Strict):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
@@ -67,8 +59,7 @@ class MessagesRequest(_Strict):
     @field_validator("stop_sequences")
     @classmethod
     def _stops(cls, value: list[str] | None) -> list[str] | None:
-        if value and any(s == "" for s in value):
-            raise ValueError("stop sequences must not be empty")
+        refuse_empty(value or [], "stop sequences")
         return value
 
     @model_validator(mode="after")
@@ -89,7 +80,7 @@ class MessagesRequest(_Strict):
         return out
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from dspark_flow.log import get_logger
@@ -17,6 +17,41 @@ from dspark_flow.result import GenResult
 log = get_logger()
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    """A request body: strict types, no inf or nan; fields a client adds that we do not know
+    are ignored (the SDKs send new ones before servers know them)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(Strict):
+    """One piece of message content (OpenAI: a content part, Anthropic: a content block)."""
+
+    type: str
+    text: str | None = None
+
+
+def parts_text(content: str | list[TextPart], noun: str) -> str:
+    """The text of string or text-part content; any other part type is a client error."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text":
+            raise ValueError(f"content {noun}s of type {part.type!r} are not supported")
+        if part.text is None:
+            raise ValueError(f"a text {noun} needs its 'text'")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def refuse_empty(strings: list[str], what: str) -> None:
+    """An empty stop string would end every output at once."""
+    if any(s == "" for s in strings):
+        raise ValueError(f"{what} must not be empty")
+
 
 # Anthropic names its error types by status; OpenAI uses invalid_request_error for all 4xx.
 ANTHROPIC_ERROR_TYPES = {

@@ -13,46 +13,36 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from dspark_flow.server.common import ApiError, Finished, sse
+from dspark_flow.server.common import (
+    ApiError,
+    Finished,
+    Strict,
+    TextPart,
+    parts_text,
+    refuse_empty,
+    sse,
+)
 from dspark_flow.server.engine import Job
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+ContentPart = TextPart  # OpenAI's name for a piece of content
 
 
-class ContentPart(_Strict):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text":
-                raise ValueError(f"content parts of type {part.type!r} are not supported")
-            if part.text is None:
-                raise ValueError("a text part needs its 'text'")
-            parts.append(part.text)
-        return "".join(parts)
+        return "" if self.content is None else parts_text(self.content, "part")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -79,9 +69,7 @@ class _Common(_Strict):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        strings = [value] if isinstance(value, str) else (value or [])
-        if any(s == "" for s in strings):
-            raise ValueError("stop strings must not be empty")
+        refuse_empty([value] if isinstance(value, str) else (value or []), "stop strings")
         return value
 
     @model_validator(mode="after")
