@@ -18,10 +18,10 @@ def load_target(
 ) -> tuple[Any, Any]:
     """Load a target: the embedded default when `model` is None, else `builtin:<name>`, a hub
     repo id or a local mlx-lm directory. Returns (model, tokenizer)."""
-    from dspark_flow.models.loading import load_model_dir, resolve_model_path
+    from dspark_flow.models.loading import load
 
     ref = _model_ref(model, "load_target: model")
-    return load_model_dir(resolve_model_path(ref or DEFAULT_MODEL, revision), weights)
+    return load(ref or DEFAULT_MODEL, weights, revision)
 
 
 def _model_ref(value: Any, what: str) -> str | None:

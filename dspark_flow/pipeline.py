@@ -141,12 +141,10 @@ class Pipeline:
         if self.components is not None:
             return self
         if self._target is None:
-            from dspark_flow.models.loading import load_model_dir, resolve_model_path
+            from dspark_flow.models.loading import load
 
             spec = self.recipe.target
-            self._target = load_model_dir(
-                resolve_model_path(spec.model, spec.revision), spec.weights
-            )
+            self._target = load(spec.model, spec.weights, spec.revision)
         model, tokenizer = self._target
         if not isinstance(model, nn.Module) or tokenizer is None:
             got = type(model).__name__ if not isinstance(model, nn.Module) else "no tokenizer"

@@ -154,7 +154,7 @@ def plan_recipes(
     pipeline's target is taken from it, grouped by identity.
     """
     from dspark_flow.models.backend import choose_weight_format
-    from dspark_flow.models.loading import load_model_dir, resolve_model_path
+    from dspark_flow.models.loading import load
     from dspark_flow.recipe.load import load_recipe
 
     groups: dict[Any, TargetGroup] = {}
@@ -178,7 +178,7 @@ def plan_recipes(
             if key in groups:
                 model, tok = groups[key].model, groups[key].tokenizer
             else:
-                model, tok = load_model_dir(resolve_model_path(spec.model, spec.revision), fmt)
+                model, tok = load(spec.model, fmt, spec.revision)
             pipe = Pipeline(recipe, target=(model, tok))
         if key not in groups:
             encoder = greedy_pipeline(pipe.recipe, (model, tok))

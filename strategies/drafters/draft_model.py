@@ -39,10 +39,10 @@ class DraftModelDrafter(Drafter):
 
     def warm_up(self, ctx: BuildContext) -> None:
         if self.model is None:
-            from dspark_flow.models.loading import load_model_dir, resolve_model_path
+            from dspark_flow.models.loading import load
 
-            path = resolve_model_path(self.config.model, self.config.revision)
-            self.model, tokenizer = load_model_dir(path, weights=self.config.weights)
+            cfg = self.config
+            self.model, tokenizer = load(cfg.model, cfg.weights, cfg.revision)
             check_same_tokenizer(ctx.tokenizer, tokenizer, self.config.model)
         if not can_trim_prompt_cache(make_prompt_cache(self.model)):
             raise ConfigError(f"draft model {self.config.model}: its cache cannot be trimmed")
