@@ -283,3 +283,20 @@ def test_each_checker_names_the_other_for_the_other_kind_of_recipe(capsys):
     assert "this is a training recipe" in _one_error_line(capsys)
     assert main(["train", QUICKSTART, "--check"]) == 2
     assert "this is an inference recipe" in _one_error_line(capsys)
+
+
+def test_a_missing_dependency_is_named_in_one_line():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"  # as if installed without dependencies
+        "from dspark_flow.cli.main import main\n"
+        f"sys.exit(main(['serve', {QUICKSTART!r}, '--port', '0', '--no-warmup']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: the Python package 'fastapi' is missing: install dspark-flow with its "
+        "dependencies (pip install dspark-flow)"
+    ], done.stderr

@@ -64,14 +64,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except Exception as exc:  # an internal bug: still one line unless asked for more
-        if os.environ.get("DSPARK_FLOW_DEBUG"):
-            traceback.print_exc()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "dspark_flow").split(".")[0] == "dspark_flow":
+            return _internal_error(exc)  # one of ours: a bug
+        # An install without its dependencies (pip --no-deps, a partial copy).
         print(
-            f"internal error: {type(exc).__name__}: {exc} (set DSPARK_FLOW_DEBUG=1 for a traceback)",
+            f"error: the Python package {exc.name!r} is missing: install dspark-flow with its "
+            "dependencies (pip install dspark-flow)",
             file=sys.stderr,
         )
         return 1
+    except Exception as exc:
+        return _internal_error(exc)
+
+
+def _internal_error(exc: Exception) -> int:
+    """An internal bug: still one line unless asked for more."""
+    if os.environ.get("DSPARK_FLOW_DEBUG"):
+        traceback.print_exc()
+    print(
+        f"internal error: {type(exc).__name__}: {exc} (set DSPARK_FLOW_DEBUG=1 for a traceback)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def print_json(data: object) -> None:
