@@ -33,7 +33,7 @@
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
-# `solo-chat` (issue 6 on chat alone), `solo-synthetic` (issue 9 on a larger random-weight
+# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-synthetic` (issue 9 on a larger random-weight
 # target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
@@ -413,6 +413,27 @@ case "${1:-}" in
       fi
     fi
     bench_run e2e 0 "$@" --trials "${TRIALS:-2}"
+    ;;
+  solo-copy)  # prompt lookup before the trained drafters (drafter option prompt_lookup), after
+    # solo-first: DRAFTERS (default dspark dflash) with `auto` and the CLI's stack, each without
+    # and with it, beside greedy and mlx-lm's greedy, TRIALS (default 2) after a warm-up pass.
+    # TWIN=1 adds the recipe without it once more, after the one with it (is a mode slower for
+    # the pipeline that ran before it?); SEPARATE=1 runs one bench process per recipe instead;
+    # BENCH_ARGS: more bench arguments (--no-mlx-lm)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
+    recipes=()
+    for d in ${DRAFTERS:-dspark dflash}; do
+      for name in off on ${TWIN:+off-b}; do
+        variant $d $d-copy-$name '{kind: auto}'
+        sed -i -e 's/, prompt_lookup: [a-z]*//' -e "s/draft_vocab: 8192}/draft_vocab: 8192, prompt_lookup: ${name%-b}}/" /tmp/$d-copy-$name.yaml
+        recipes+=(/tmp/$d-copy-$name.yaml)
+      done
+    done
+    if [ -n "${SEPARATE:-}" ]; then  # one bench process per recipe, each with its own greedy
+      for r in "${recipes[@]}"; do bench_run "$(basename "$r" .yaml)" 0 "$r" --trials "${TRIALS:-2}" ${BENCH_ARGS:-}; done
+    else
+      bench_run copy 0 "${recipes[@]}" --trials "${TRIALS:-2}" ${BENCH_ARGS:-}
+    fi
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9

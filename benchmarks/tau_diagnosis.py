@@ -9,6 +9,9 @@ simulated τ that should equal the decoded one if training and inference agree. 
 prompts against held-out ones tells over-fitting from under-fitting.
 
     python benchmarks/tau_diagnosis.py --per-category 6    # CPU: ~4 min
+
+`--lookup` adds prompt lookup: walked beside the chain on the same sequences (LOOKUP_SHAPES), and
+decoded for real with the drafter's `prompt_lookup` on (its output checked equal).
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ BRANCH_SHAPES = {
     "top-2 first two slots": [2, 2],
     "top-2 every slot": [2] * 16,
 }
+# name -> (lookup's shortest match to take its draft over the chain, its draft cap);
+# None: the longer of the two (both verified: a two-branch tree)
+LOOKUP_SHAPES = {
+    "lookup alone": (0, 7),
+    "lookup where it matches >= 2, else chain": (2, 7),
+    "lookup where it matches >= 4, else chain": (4, 7),
+    "lookup where it matches >= 4 (up to 15), else chain": (4, 15),
+    "the longer of lookup and chain (two branches)": None,
+}
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
 
@@ -58,6 +70,13 @@ def main() -> int:
     ap.add_argument("--per-category", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=None, help="write the table as JSON here")
+    ap.add_argument(
+        "--lookup",
+        action="store_true",
+        help="also walk prompt lookup beside the chain, and decode with the drafter's "
+        "prompt_lookup on",
+    )
+    ap.add_argument("--only", default="", help="only the prompt sets whose name holds this")
     args = ap.parse_args()
 
     recipe = load_train_recipe(args.recipe)
@@ -76,17 +95,28 @@ def main() -> int:
     tr = trainer_module.DrafterTrainer(recipe, progress=False).warm_up()
     start_from(tr.model, tr.spec, shipped, recipe.drafter.kind, tr.mask_id, tr.compute_dtype)
     drafter = load_drafter(str(shipped), tr.target, quantize=None)
+    copying = load_drafter(str(shipped), tr.target, quantize=None, prompt_lookup=True)
     first = tr.first_slot
     rows = {}
     for name, spec in prompt_sets(args.per_category).items():
-        dec, forced = [], []
-        walked: dict[str, list[int]] = {shape: [] for shape in BRANCH_SHAPES}
+        if args.only not in name:
+            continue
+        dec, forced, dec_copy = [], [], []
+        shapes = list(BRANCH_SHAPES) + (list(LOOKUP_SHAPES) if args.lookup else [])
+        walked: dict[str, list[int]] = {shape: [] for shape in shapes}
         for prompt in read_prompts(spec):
             res = speculative_generate(
                 tr.target, tr.tokenizer, drafter, prompt,
                 max_new_tokens=args.max_tokens, max_draft_tokens=None,
             )  # fmt: skip
             dec += res.accept_lengths
+            if args.lookup:
+                copied = speculative_generate(
+                    tr.target, tr.tokenizer, copying, prompt,
+                    max_new_tokens=args.max_tokens, max_draft_tokens=None,
+                )  # fmt: skip
+                assert copied.token_ids == res.token_ids, "prompt lookup changed the output"
+                dec_copy += copied.accept_lengths
             prompt_ids = _encode(tr.tokenizer, prompt, None)
             tokens = np.array(prompt_ids + list(res.token_ids), dtype=np.int32)
             b = sample_blocks(
@@ -103,17 +133,55 @@ def main() -> int:
             for shape, tops in BRANCH_SHAPES.items():
                 limit = np.array((tops + [1] * rank.shape[-1])[: rank.shape[-1]])
                 walked[shape] += _walk(np.cumprod(rank < limit, axis=-1).sum(-1).tolist())
+            if args.lookup:
+                chain = np.cumprod(rank == 0, axis=-1).sum(-1).tolist()
+                found = _lookup_runs(tokens.tolist(), len(prompt_ids), len(chain))
+                for shape, rule in LOOKUP_SHAPES.items():
+                    walked[shape] += _walk([_pick(rule, c, f) for c, f in zip(chain, found)])
         rows[name] = {
             "decoded": float(np.mean(dec)),
             "simulated": float(np.mean(walked["one chain"])),
             "teacher_forced": float(np.mean(forced)),
             "branches": {shape: float(np.mean(w)) for shape, w in walked.items()},
         }
+        if dec_copy:
+            rows[name]["decoded with prompt lookup"] = float(np.mean(dec_copy))
         flat = {k: v for k, v in rows[name].items() if k != "branches"} | rows[name]["branches"]
         print(name, {k: round(v, 2) for k, v in flat.items()}, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _lookup_runs(tokens: list[int], prompt_len: int, anchors: int) -> list[tuple[int, int, int]]:
+    """At each anchor (answer position), prompt lookup's draft of up to 15 tokens, as the
+    product's `lookup` drafter proposes it: (its match length, tokens it got right at a cap of
+    7, at a cap of 15)."""
+    from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+
+    drafter = LookupDrafter(LookupConfig(max_draft=15))
+    out = []
+    for j in range(anchors):
+        a = prompt_len + j
+        draft = drafter.propose(tokens[: a + 1], 15)
+        truth = tokens[a + 1 : a + 16]
+        right = 0
+        while right < min(len(draft.tokens), len(truth)) and draft.tokens[right] == truth[right]:
+            right += 1
+        match = len(draft.tokens)  # the drafter sizes its draft by the match (2 per token)
+        out.append((match, min(right, 7), right))
+    return out
+
+
+def _pick(rule: tuple[int, int] | None, chain: int, found: tuple[int, int, int]) -> int:
+    """Drafts accepted at one anchor under a lookup rule (LOOKUP_SHAPES)."""
+    match, right7, right15 = found
+    if rule is None:
+        return max(chain, right7)
+    least, cap = rule
+    if match and match >= 2 * least:
+        return right7 if cap == 7 else right15
+    return chain if least else 0
 
 
 def _walk(runs: Sequence[int]) -> list[int]:

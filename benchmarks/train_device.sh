@@ -51,10 +51,15 @@ case "${1:-}" in
     ;;
   bench)  # the shipped drafters against greedy on held-out prompts, and the draft-cap sweeps
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-6}"
-    timeout "${BENCH_S:-170}" python3 -P -m dspark_flow.cli.main bench recipes/dspark.yaml recipes/dflash.yaml \
-      --prompts /tmp/heldout.jsonl --trials "${TRIALS:-1}" --max-tokens 128 --no-mlx-lm --no-verify-cost \
-      --no-plots --set 'draft_cap={kind: full_block}' --out /tmp/bench --quiet || echo "bench cut short"
-    cp /tmp/bench/bench.md /tmp/bench/bench.json "$OUT/" 2>/dev/null || true
+    # One bench process per drafter kind: on the H200 a DSpark and a DFlash recipe in one bench
+    # slowed the runs after each switch of kind 3-5x (docs/benchmarks.md §6, 2026-12-01).
+    for kind in dspark dflash; do
+      timeout "$(( ${BENCH_S:-170} / 2 ))" python3 -P -m dspark_flow.cli.main bench recipes/$kind.yaml \
+        --prompts /tmp/heldout.jsonl --trials "${TRIALS:-1}" --max-tokens 128 --no-mlx-lm --no-verify-cost \
+        --no-plots --set 'draft_cap={kind: full_block}' --out /tmp/bench-$kind --quiet || echo "bench $kind cut short"
+      cp /tmp/bench-$kind/bench.md "$OUT/bench-$kind.md" 2>/dev/null || true
+      cp /tmp/bench-$kind/bench.json "$OUT/bench-$kind.json" 2>/dev/null || true
+    done
     for d in ${SWEEPS:-lookup dspark}; do
       timeout "${SWEEP_S:-150}" python3 -P benchmarks/draft_caps.py --drafter "$d" --trials 2 \
         --out "/tmp/dc-$d" > "/tmp/dc-$d.log" 2>&1 || echo "sweep $d cut short"

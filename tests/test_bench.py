@@ -387,3 +387,19 @@ def test_compile_ab_runs_four_arms_that_make_the_same_tokens(tmp_path):
     assert figures["same_tokens"] is True and figures["runs"] == 1
     assert set(figures["tok_s"]) == {"greedy off", "greedy on", "spec off", "spec on"}
     assert all(v > 0 for v in figures["tok_s"].values())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_mixed_drafter_kinds_are_flagged_on_a_gpu(embedded, monkeypatch, caplog, backend):
+    """A DSpark and a DFlash recipe in one bench: a warning on GPU backends (measured there to
+    slow the runs after a switch of kind), none on the CPU; one kind alone: none."""
+    from dspark_flow.bench import plan
+    from dspark_flow.models import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "backend_name", lambda: backend)
+    both = [RECIPES / "dspark.yaml", RECIPES / "dflash.yaml"]
+    for recipes, warned in ((both, backend == "cuda"), (both[:1], False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dspark_flow"):
+            plan.plan_recipes(recipes, mlx_lm=False)
+        assert any("DSpark and DFlash" in str(r.msg) for r in caplog.records) == warned

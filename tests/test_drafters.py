@@ -38,6 +38,7 @@ from dspark_flow.models.taps import install_taps
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.samplers.greedy import GreedySampler
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler
+from dspark_flow.strategy import Draft
 from tests import drafter_helpers as h
 from tests.tiny import VOCAB, tiny_args
 
@@ -863,3 +864,83 @@ def test_on_the_embedded_model(tmp_path, embedded):
             model, tok, drafter, prompt, max_new_tokens=12, max_draft_tokens=None
         )
         assert res.token_ids == ref.token_ids, name
+
+
+# -- prompt lookup before the drafter ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dspark-markov-conf", "dflash-window"])
+def test_prompt_lookup_copies_runs_losslessly_and_keeps_the_context(
+    tmp_path, tiny4, tok, name, monkeypatch
+):
+    """With `prompt_lookup`, rounds whose context ends in an earlier run draft the copy and skip
+    the drafter's pass; output stays greedy's, and the drafter's context still holds exactly the
+    committed rows (features of the skipped rounds' rows wait until the drafter runs)."""
+    kind, path, options = make_checkpoint(tmp_path, name)
+    drafter = api.load_drafter(str(path), tiny4, prompt_lookup={"min_match": 2}, **options)
+    passes = []
+    own_pass = drafter.propose_block
+
+    def counted(history, k):
+        passes.append(len(history))
+        return own_pass(history, k)
+
+    monkeypatch.setattr(drafter, "propose_block", counted)
+    prompt = PROMPTS[0] * 3  # runs to copy from the start
+    ref = api.greedy_generate(tiny4, tok, prompt, max_new_tokens=40, chat=False)
+    res = api.speculative_generate(
+        tiny4, tok, drafter, prompt, max_new_tokens=40, max_draft_tokens=None, chat=False
+    )
+    assert res.token_ids == ref.token_ids
+    copied = res.num_rounds - len(passes)
+    assert copied > 0 and passes, (copied, len(passes))  # both kinds of round ran
+    history = prompt + res.token_ids
+    drafter._sync_context(history)
+    want = ContextKV(len(drafter.model.layers))
+    feats = manual_features(tiny4, history[:-1], drafter.spec.target_layer_ids)
+    drafter.model.extend_context(want, mx.array(feats[None].astype(np.float32)))
+    assert want.end == drafter._state.end == len(history) - 1
+    for got, ref_keys in zip(drafter._state.keys, want.keys, strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(ref_keys), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, 4), ({"min_match": 2}, 2), ("off", None), (False, None), (None, None)],
+)
+def test_prompt_lookup_in_a_recipe(value, expected):
+    from dspark_flow.strategies.drafters.dspark import DSparkConfig
+
+    cfg = DSparkConfig(prompt_lookup=value)
+    assert (cfg.prompt_lookup.min_match if cfg.prompt_lookup else None) == expected
+
+
+@pytest.mark.parametrize(
+    "value", [{"min_match": 0}, {"min_ngram": 3, "max_ngram": 2}, {"typo": 1}, {"min_match": True}]
+)
+def test_bad_prompt_lookup_fails_in_one_line(tmp_path, value):
+    from dspark_flow.errors import RecipeError
+    from dspark_flow.recipe.load import load_recipe
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        json.dumps({"version": 1, "drafter": {"kind": "dspark", "prompt_lookup": value}})
+    )
+    with pytest.raises(RecipeError) as err:
+        load_recipe(bad)
+    assert "prompt_lookup" in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_prompt_lookup_leaves_the_calibration_key_and_the_timed_pass_alone(tmp_path, tiny4):
+    from dspark_flow.calibration import curves
+    from dspark_flow.calibration.store import drafter_identity
+
+    _, path, options = make_checkpoint(tmp_path, "dspark")
+    plain = api.load_drafter(str(path), tiny4, **options)
+    copying = api.load_drafter(str(path), tiny4, prompt_lookup=True, **options)
+    assert drafter_identity(plain) == drafter_identity(copying)
+    timed = []
+    copying.propose_block = lambda history, k: timed.append(k) or Draft(tokens=[1] * k)
+    history = [5, 6, 7, 8] * 8  # a copy run the lookup would take
+    curves.measure_drafter(copying, history, 3, GreedySampler(), repeats=1, warmup=0)
+    assert timed == [1, 2, 3]

@@ -23,6 +23,9 @@ from tests.test_sampling_exact import ALPHA, fit_ok
 from tests.tiny import VOCAB, tiny_model
 
 PROMPT = [1, 504, 2031, 77, 9000]
+# For the flat target: its top-3 tokens after this prompt all occur earlier in it, so prompt
+# lookup finds a run to copy in the first rounds (found by prepending what was missing).
+LOOKUP_PROMPT = [9000, 15880, 33036, *PROMPT]
 TOP_K = 3
 N = 500
 
@@ -32,13 +35,13 @@ def next_probs(model, ids: list[int]) -> np.ndarray:
     return np.array(processed_probs(logits[None], 1.0, 1.0, TOP_K, 0.0)[0])
 
 
-def exact_three(model) -> dict[tuple[int, int, int], float]:
+def exact_three(model, prompt: list[int] = PROMPT) -> dict[tuple[int, int, int], float]:
     out: dict[tuple[int, int, int], float] = {}
-    p1 = next_probs(model, PROMPT)
+    p1 = next_probs(model, prompt)
     for t1 in np.flatnonzero(p1).tolist():
-        p2 = next_probs(model, [*PROMPT, t1])
+        p2 = next_probs(model, [*prompt, t1])
         for t2 in np.flatnonzero(p2).tolist():
-            p3 = next_probs(model, [*PROMPT, t1, t2])
+            p3 = next_probs(model, [*prompt, t1, t2])
             for t3 in np.flatnonzero(p3).tolist():
                 out[(int(t1), int(t2), int(t3))] = float(p1[t1] * p2[t2] * p3[t3])
     return out
@@ -77,7 +80,7 @@ def target_and_exact(embedded):
     return (target, embedded[1]), exact_three(target)
 
 
-def restricted_dspark(directory: Path, target, exact) -> Drafter:
+def restricted_dspark(directory: Path, target, exact, **options) -> Drafter:
     """A random-weight DSpark drafter (Markov and confidence heads) for the tiny target whose
     draft vocabulary holds some of the target's likely tokens and misses others: its q is zero
     on tokens the target may say, and its drafts are drawn within the subset. (Few of its drafts
@@ -93,7 +96,7 @@ def restricted_dspark(directory: Path, target, exact) -> Drafter:
     ids = [t for i, t in enumerate(likely) if i % 4]  # misses a quarter of them
     rest = np.setdiff1d(np.arange(VOCAB), ids)
     np.save(directory / VOCAB_FILE, np.concatenate([ids, rest]).astype(np.int32))
-    return load_drafter(str(directory), target, draft_vocab=len(ids))
+    return load_drafter(str(directory), target, draft_vocab=len(ids), **options)
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +106,30 @@ def flat_target_and_exact(embedded):
     return (target, embedded[1]), exact_three(target)
 
 
-@pytest.mark.parametrize("which", ["least_likely", "draft_model", "dspark_draft_vocab"])
+@pytest.mark.parametrize(
+    "which", ["least_likely", "draft_model", "dspark_draft_vocab", "dspark_prompt_lookup"]
+)
 def test_three_token_distribution_is_exact(request, which, tmp_path):
-    fixture = "flat_target_and_exact" if which == "dspark_draft_vocab" else "target_and_exact"
-    (target, tok), exact = request.getfixturevalue(fixture)
+    flat = which.startswith("dspark")
+    (target, tok), exact = request.getfixturevalue(
+        "flat_target_and_exact" if flat else "target_and_exact"
+    )
+    prompt = PROMPT
     cap = {"kind": "fixed", "k": 2}
     if which == "least_likely":
         drafter: Drafter = LeastLikelyDrafter(target)
     elif which == "draft_model":
         drafter = DraftModelDrafter(DraftModelConfig(model="<tiny>"), model=tiny_model(seed=5))
-    else:
+    elif which == "dspark_draft_vocab":
         drafter = restricted_dspark(tmp_path / "dspark", target, exact)
+    else:  # one-hot copies in some rounds, the drafter's q in the others
+        prompt = LOOKUP_PROMPT
+        exact = exact_three(target, prompt)
+        lookup = {"min_ngram": 1, "min_match": 2}
+        drafter = restricted_dspark(tmp_path / "dspark", target, exact, prompt_lookup=lookup)
+        passes = []
+        own_pass = drafter.propose_block
+        drafter.propose_block = lambda history, k: passes.append(k) or own_pass(history, k)
     recipe = {
         "drafter": {"kind": "none"},
         "draft_cap": cap,
@@ -127,13 +143,15 @@ def test_three_token_distribution_is_exact(request, which, tmp_path):
     drafted = accepted = 0
     for seed in range(N):
         sampler = {"kind": "sample", "temperature": 1.0, "top_k": TOP_K, "seed": seed}
-        res = pipe.generate(PROMPT, sampler=sampler)
+        res = pipe.generate(prompt, sampler=sampler)
         counts[index[tuple(res.token_ids)]] += 1
         drafted += res.num_rounds
         accepted += sum(n - 1 for n in res.accept_lengths)
     assert drafted > 0
     if which == "dspark_draft_vocab":  # some drafts from the subset were accepted
         assert accepted > 0
+    if which == "dspark_prompt_lookup":  # rounds of both kinds ran, and drafts were accepted
+        assert 0 < len(passes) < drafted and accepted > 0
     probs = np.array([exact[o] for o in outcomes])
     assert abs(probs.sum() - 1) < 1e-4
     assert fit_ok(counts, probs / probs.sum()) > ALPHA

@@ -30,6 +30,7 @@ from dspark_flow.training.trainer import DrafterTrainer
 from tests.conftest import cli_env
 
 PROMPTS = ["What is 12 times 7?", "Write a Python function that reverses a string."]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def small_recipe(kind: str = "dspark", layers: int = 1, **train: object) -> TrainRecipe:
@@ -492,19 +493,33 @@ def _assert_equals_greedy_and_accepts(model, tok, drafter) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
-def test_shipped_drafters_with_a_draft_vocabulary_stay_lossless(embedded, kind):
-    """`draft_vocab: 8192` on the shipped drafters and the real target: T = 0 output is plain
-    greedy output, drafts still get accepted, and a seeded sampled run repeats."""
+def test_shipped_drafters_with_the_shipped_recipes_settings_stay_lossless(embedded, kind):
+    """The shipped recipes' drafter settings (`draft_vocab: 8192`, `prompt_lookup: true`) on the
+    shipped drafters and the real target: T = 0 output is plain greedy output, drafts still get
+    accepted, some rounds copy a run instead of running the drafter, and a seeded sampled run
+    repeats."""
     from dspark_flow.api import load_drafter, speculative_generate
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import resolve_model_path
+    from dspark_flow.recipe.load import load_recipe
 
     model, tok = embedded
     ref = f"builtin:smollm2-135m-{kind}"
     assert (resolve_model_path(ref) / VOCAB_FILE).is_file()
-    drafter = load_drafter(ref, model, draft_vocab=8192)
+    shipped = load_recipe(REPO / "recipes" / f"{kind}.yaml").drafter
+    assert shipped.draft_vocab == 8192 and shipped.prompt_lookup is not None
+    drafter = load_drafter(ref, model, draft_vocab=8192, prompt_lookup=True)
     assert drafter.token_ids(mx.arange(8192)).shape == (8192,)
+    passes = []
+    own_pass = drafter.propose_block
+    drafter.propose_block = lambda history, k: passes.append(k) or own_pass(history, k)
     _assert_equals_greedy_and_accepts(model, tok, drafter)
+    passes.clear()
+    echo = speculative_generate(  # an answer that repeats the prompt: runs to copy
+        model, tok, drafter, "Repeat after me: the quick brown fox jumps over the lazy dog.",
+        max_new_tokens=32, max_draft_tokens=None,
+    )  # fmt: skip
+    assert 0 < len(passes) < echo.num_rounds, (len(passes), echo.num_rounds)
     runs = [
         speculative_generate(
             model, tok, drafter, PROMPTS[0], max_new_tokens=24, temperature=0.7, seed=3

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS as MAX_VERIFY_ROWS
+from dspark_flow.log import get_logger
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
+
+log = get_logger()
 
 ModeKind = Literal["ours", "mlx_lm", "mlx_lm_spec"]
 GREEDY = "greedy"
@@ -189,4 +192,27 @@ def plan_recipes(
         groups[key].modes.append(recipe_mode(pipe, name, source))
     for group in groups.values():
         add_baselines(group, mlx_lm)
+        _warn_mixed_drafter_kinds(group)
     return list(groups.values())
+
+
+TRAINED_DRAFTERS = ("dspark", "dflash")
+
+
+def _warn_mixed_drafter_kinds(group: TargetGroup) -> None:
+    """On the H200 (2026-12-01, docs/benchmarks.md §6), a DSpark and a DFlash recipe in one bench
+    of one target left the runs that followed a switch of drafter kind 3-5x slower (not on the
+    CPU; cause not found): on a GPU, say so and suggest one kind per bench."""
+    from dspark_flow.models.backend import backend_name
+
+    kinds = {
+        m.pipeline.recipe.drafter.kind
+        for m in group.modes
+        if m.pipeline is not None and m.pipeline.recipe.drafter.kind in TRAINED_DRAFTERS
+    }
+    if len(kinds) > 1 and backend_name() != "cpu":
+        log.warning(
+            "DSpark and DFlash recipes in one bench on a GPU: runs after a switch of drafter "
+            "kind measured 3-5x slower on an H200; bench one kind at a time",
+            target=group.label,
+        )

@@ -138,7 +138,8 @@ def drafter_identity(drafter: Any) -> dict[str, Any]:
         "class": f"{type(drafter).__module__}.{type(drafter).__qualname__}",
     }
     if config is not None and hasattr(config, "model_dump"):
-        ident["config"] = _jsonable(config.model_dump(mode="json"))
+        neutral = set(getattr(config, "COST_NEUTRAL", ()))
+        ident["config"] = _jsonable(config.model_dump(mode="json", exclude=neutral))
         ref = getattr(config, "model", None) or getattr(config, "checkpoint", None)
         if isinstance(ref, str) and not ref.startswith("<") and ref != "auto":  # no files
             ident["checkpoint"] = checkpoint_identity(ref, getattr(config, "revision", None))

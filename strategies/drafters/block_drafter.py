@@ -33,11 +33,26 @@ from dspark_flow.models.drafter_loading import (
     resolve_drafter,
 )
 from dspark_flow.models.taps import FeatureTaps, install_taps
+from dspark_flow.strategies.drafters.lookup import NgramSearch, find_copy
 from dspark_flow.strategy import BuildContext, Draft, Drafter, Sampler, StrategyConfig
+
+
+class PromptLookup(NgramSearch):
+    """Copy runs first: where the context's last tokens repeat an earlier run of at least
+    `min_match` tokens, draft what followed that run instead of running the drafter."""
+
+    min_match: int = Field(
+        4,
+        ge=1,
+        description="shortest match (in tokens, reaching back from the context's end) whose "
+        "continuation is drafted instead of the drafter's block",
+    )
 
 
 class BlockDrafterConfig(StrategyConfig):
     BOOLEAN_WORDS: ClassVar[frozenset[str]] = frozenset({"draft_vocab"})  # `draft_vocab: off`: all
+    # Settings that leave the drafter's pass and its cost as they are (calibration keys skip them)
+    COST_NEUTRAL: ClassVar[frozenset[str]] = frozenset({"prompt_lookup"})
     checkpoint: str = Field(
         "auto",
         description="builtin:<name>, hub repo id or local dir; 'auto' looks the target up in "
@@ -64,6 +79,12 @@ class BlockDrafterConfig(StrategyConfig):
         "Lossless (verification is unchanged); costs acceptance on rarer tokens. null: all",
     )
 
+    prompt_lookup: PromptLookup | None = Field(
+        None,
+        description="copy runs from the context first (prompt lookup): a round whose context "
+        "ends in a run that occurred earlier drafts what followed it, up to the round's k, and "
+        "skips the drafter's pass; the other rounds draft as usual. null: off",
+    )
     compile_layers: bool = Field(
         True,
         description="run each drafter layer's parts around its attention through mx.compile: "
@@ -78,6 +99,16 @@ class BlockDrafterConfig(StrategyConfig):
         return (
             None if isinstance(value, str) and value.lower() in ("none", "null", "off") else value
         )
+
+    @field_validator("prompt_lookup", mode="before")
+    @classmethod
+    def _lookup_switch(cls, value: Any) -> Any:
+        # `prompt_lookup: true` (or `--set drafter.prompt_lookup=true`) takes the defaults.
+        if value is True:
+            return {}
+        if value is False or (isinstance(value, str) and value.lower() in ("none", "null", "off")):
+            return None
+        return value
 
     @field_validator("draft_vocab", mode="before")
     @classmethod
@@ -242,6 +273,19 @@ class BlockDrafter(Drafter):
             )
 
     def propose(self, history: list[int], k: int) -> Draft:
+        assert self.spec is not None
+        lookup = self.config.prompt_lookup
+        if lookup is not None:
+            # A copy run is likelier accepted than the drafter's guess; the features of the
+            # rows committed meanwhile wait in _pending until the drafter runs again.
+            tokens, match = find_copy(history, k, lookup)
+            if match >= lookup.min_match:
+                return Draft(tokens=tokens)
+        return self.propose_block(history, k)
+
+    def propose_block(self, history: list[int], k: int) -> Draft:
+        """The drafter's own pass over one block (what calibration times: a copied run costs
+        less)."""
         assert self.spec is not None
         self._sync_context(history)
         block = mx.array([history[-1]] + [self.spec.mask_token_id] * (self.block_size - 1))
