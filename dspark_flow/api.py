@@ -207,12 +207,14 @@ def load_pair(
     kind: str | None = None,
     quantize: int | str | None = "auto",
     weights: str = "auto",
+    **drafter_options: Any,
 ) -> tuple[Any, Any, Any, Any]:
     """Load a target and its trained drafter: (model, tokenizer, drafter, drafter config).
 
     With `drafter` None the drafter is looked up by target name in the drafter table (any
     quantization of a known target matches; `kind` picks 'dspark' or 'dflash' when a target has
-    both). `revision` pins the target, `drafter_revision` the drafter; `quantize` as in
+    both). `revision` pins the target, `drafter_revision` the drafter; `quantize` and the other
+    drafter settings (`draft_vocab=8192`, `prompt_lookup=True`, ... as in a recipe) as in
     `load_drafter`."""
     from dspark_flow.models.drafter_loading import resolve_drafter
 
@@ -222,7 +224,9 @@ def load_pair(
         entry = resolve_drafter(target_ref, kind)
         drafter, kind = str(entry["drafter"]), str(entry["kind"])
     model, tokenizer = load_target(target_ref, revision, weights)
-    loaded = load_drafter(drafter, model, kind=kind, revision=drafter_revision, quantize=quantize)
+    loaded = load_drafter(
+        drafter, model, kind=kind, revision=drafter_revision, quantize=quantize, **drafter_options
+    )
     return model, tokenizer, loaded, loaded.config
 
 

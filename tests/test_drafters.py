@@ -802,6 +802,8 @@ def test_api_load_pair_recipe_and_defaults(tmp_path, tiny4, tok, greedy_refs, mo
     monkeypatch.setattr(api, "load_target", lambda ref, revision=None, weights="auto": (tiny4, tok))
     model, tok2, drafter, cfg = api.load_pair("some/target", str(path))
     assert model is tiny4 and tok2 is tok and cfg.kind == "dflash" and cfg.quantize == "auto"
+    assert cfg.prompt_lookup is None  # the library's default; a recipe's settings by keyword:
+    assert api.load_pair("some/target", str(path), prompt_lookup=True)[3].prompt_lookup.min_match
     one = api.speculative_generate(model, tok, drafter, PROMPTS[0], max_new_tokens=24, chat=False)
     full = api.dflash_generate(model, tok, drafter, PROMPTS[0], max_new_tokens=24, chat=False)
     assert one.token_ids == full.token_ids == greedy_refs[0]

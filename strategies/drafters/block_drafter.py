@@ -273,7 +273,6 @@ class BlockDrafter(Drafter):
             )
 
     def propose(self, history: list[int], k: int) -> Draft:
-        assert self.spec is not None
         lookup = self.config.prompt_lookup
         if lookup is not None:
             # A copy run is likelier accepted than the drafter's guess; the features of the
