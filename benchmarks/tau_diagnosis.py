@@ -154,21 +154,20 @@ def main() -> int:
 
 
 def _lookup_runs(tokens: list[int], prompt_len: int, anchors: int) -> list[tuple[int, int, int]]:
-    """At each anchor (answer position), prompt lookup's draft of up to 15 tokens, as the
-    product's `lookup` drafter proposes it: (its match length, tokens it got right at a cap of
-    7, at a cap of 15)."""
-    from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+    """At each anchor (answer position), prompt lookup's draft of up to 15 tokens, found as the
+    product's `lookup` drafter finds it: (its match length, tokens it got right at a cap of 7,
+    at a cap of 15)."""
+    from dspark_flow.strategies.drafters.lookup import LookupConfig, find_copy
 
-    drafter = LookupDrafter(LookupConfig(max_draft=15))
+    search = LookupConfig()
     out = []
     for j in range(anchors):
         a = prompt_len + j
-        draft = drafter.propose(tokens[: a + 1], 15)
+        draft, match = find_copy(tokens[: a + 1], 15, search)
         truth = tokens[a + 1 : a + 16]
         right = 0
-        while right < min(len(draft.tokens), len(truth)) and draft.tokens[right] == truth[right]:
+        while right < min(len(draft), len(truth)) and draft[right] == truth[right]:
             right += 1
-        match = len(draft.tokens)  # the drafter sizes its draft by the match (2 per token)
         out.append((match, min(right, 7), right))
     return out
 
@@ -179,7 +178,7 @@ def _pick(rule: tuple[int, int] | None, chain: int, found: tuple[int, int, int])
     if rule is None:
         return max(chain, right7)
     least, cap = rule
-    if match and match >= 2 * least:
+    if match and match >= least:
         return right7 if cap == 7 else right15
     return chain if least else 0
 

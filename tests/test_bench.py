@@ -390,16 +390,23 @@ def test_compile_ab_runs_four_arms_that_make_the_same_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
-def test_mixed_drafter_kinds_are_flagged_on_a_gpu(embedded, monkeypatch, caplog, backend):
+def test_mixed_drafter_kinds_are_flagged_on_a_gpu(monkeypatch, backend):
     """A DSpark and a DFlash recipe in one bench: a warning on GPU backends (measured there to
     slow the runs after a switch of kind), none on the CPU; one kind alone: none."""
+    from types import SimpleNamespace
+
     from dspark_flow.bench import plan
     from dspark_flow.models import backend as backend_module
+    from dspark_flow.recipe.load import load_recipe
 
     monkeypatch.setattr(backend_module, "backend_name", lambda: backend)
-    both = [RECIPES / "dspark.yaml", RECIPES / "dflash.yaml"]
+    warnings: list[str] = []
+    monkeypatch.setattr(
+        plan, "log", SimpleNamespace(warning=lambda event, **_: warnings.append(event))
+    )
+    both = [load_recipe(RECIPES / name) for name in ("dspark.yaml", "dflash.yaml")]
     for recipes, warned in ((both, backend == "cuda"), (both[:1], False)):
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="dspark_flow"):
-            plan.plan_recipes(recipes, mlx_lm=False)
-        assert any("DSpark and DFlash" in str(r.msg) for r in caplog.records) == warned
+        warnings.clear()
+        modes = [SimpleNamespace(pipeline=SimpleNamespace(recipe=r)) for r in recipes]
+        plan._warn_mixed_drafter_kinds(SimpleNamespace(modes=modes, label="target"))
+        assert any("DSpark and DFlash" in w for w in warnings) == warned
