@@ -52,7 +52,7 @@ case "${1:-}" in
   bench)  # the shipped drafters against greedy on held-out prompts, and the draft-cap sweeps
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-6}"
     # One bench process per drafter kind: on the H200 a DSpark and a DFlash recipe in one bench
-    # slowed the runs after each switch of kind 3-5x (docs/benchmarks.md §6, 2026-12-01).
+    # measured some runs 3-5x slower than benches of one kind (docs/benchmarks.md §6, 2026-12-01).
     for kind in dspark dflash; do
       timeout "$(( ${BENCH_S:-170} / 2 ))" python3 -P -m dspark_flow.cli.main bench recipes/$kind.yaml \
         --prompts /tmp/heldout.jsonl --trials "${TRIALS:-1}" --max-tokens 128 --no-mlx-lm --no-verify-cost \

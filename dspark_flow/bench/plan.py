@@ -201,8 +201,8 @@ TRAINED_DRAFTERS = ("dspark", "dflash")
 
 def _warn_mixed_drafter_kinds(group: TargetGroup) -> None:
     """On the H200 (2026-12-01, docs/benchmarks.md §6), a DSpark and a DFlash recipe in one bench
-    of one target left the runs that followed a switch of drafter kind 3-5x slower (not on the
-    CPU; cause not found): on a GPU, say so and suggest one kind per bench."""
+    of one target measured some runs 3-5x slower than the same recipes in benches of one kind
+    (not on the CPU; cause not found): on a GPU, say so and suggest one kind per bench."""
     from dspark_flow.models.backend import backend_name
 
     kinds = {
@@ -212,7 +212,7 @@ def _warn_mixed_drafter_kinds(group: TargetGroup) -> None:
     }
     if len(kinds) > 1 and backend_name() != "cpu":
         log.warning(
-            "DSpark and DFlash recipes in one bench on a GPU: runs after a switch of drafter "
-            "kind measured 3-5x slower on an H200; bench one kind at a time",
+            "DSpark and DFlash recipes in one bench on a GPU: on an H200 some runs measured "
+            "3-5x slower than in benches of one kind; bench one kind at a time",
             target=group.label,
         )
