@@ -95,7 +95,11 @@ def main() -> int:
     tr = trainer_module.DrafterTrainer(recipe, progress=False).warm_up()
     start_from(tr.model, tr.spec, shipped, recipe.drafter.kind, tr.mask_id, tr.compute_dtype)
     drafter = load_drafter(str(shipped), tr.target, quantize=None)
-    copying = load_drafter(str(shipped), tr.target, quantize=None, prompt_lookup=True)
+    copying = (
+        load_drafter(str(shipped), tr.target, quantize=None, prompt_lookup=True)
+        if args.lookup
+        else None
+    )
     first = tr.first_slot
     rows = {}
     for name, spec in prompt_sets(args.per_category).items():
