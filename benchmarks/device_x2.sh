@@ -33,7 +33,7 @@
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
-# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-synthetic` (issue 9 on a larger random-weight
+# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-synthetic` (issue 9 on a larger random-weight
 # target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
@@ -435,16 +435,28 @@ case "${1:-}" in
       bench_run copy 0 "${recipes[@]}" --trials "${TRIALS:-2}" ${BENCH_ARGS:-}
     fi
     ;;
+  solo-sources)  # copies planned apart from the drafter's pass (`auto`'s plan_sources_apart),
+    # after solo-first: for each of DRAFTERS (default dspark dflash), one bench process of the
+    # shipped recipe (prompt_lookup on, `auto`) with copies planned apart and with one plan for
+    # every round, beside greedy; TRIALS (default 3) after a warm-up pass; BENCH_ARGS as above
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
+    for d in ${DRAFTERS:-dspark dflash}; do
+      variant $d $d-apart '{kind: auto}'
+      variant $d $d-one '{kind: auto, plan_sources_apart: false}'
+      bench_run sources-$d 0 /tmp/$d-apart.yaml /tmp/$d-one.yaml --trials "${TRIALS:-3}" ${BENCH_ARGS:-}
+    done
+    ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9
     # prompts on 2026-11-30, after a 100-130 s warm-up pass). One trial could not resolve 5%
     # there: DRAFTERS=dspark gives one drafter the whole call. STICKY=0.05 adds `auto` with that
-    # switch_margin beside the plain one (benchmarks §3: does changing shapes cost on CUDA?).
+    # switch_margin beside the plain one (benchmarks §3: does changing shapes cost on CUDA?);
+    # LOOKUP=1 turns the drafters' prompt_lookup on, as the shipped recipes have it.
     v=${VERIFIER:-$CLI_VERIFIER} held=(--prompts /tmp/heldout.jsonl --per-category 3)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category 3
     set -- ${DRAFTERS:-dspark dflash}
     while [ $# -gt 0 ]; do
-      sweep $1 "${TRIALS:-6}" $(( $(upto 20) / $# + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 ${STICKY:+--sticky $STICKY}
+      sweep $1 "${TRIALS:-6}" $(( $(upto 20) / $# + 1 )) --ks 1-7 --verifier "$v" --draft-vocab 8192 "${held[@]}" --max-tokens 128 ${STICKY:+--sticky $STICKY} ${LOOKUP:+--prompt-lookup}
       shift
     done
     ;;

@@ -51,6 +51,7 @@ from dspark_flow.calibration.in_loop import (
     rounds_of,
     summarize_rounds,
 )
+from dspark_flow.strategy import COPY_SOURCE
 
 PROMPTS = Path(__file__).resolve().parent.parent / "dspark_flow" / "data" / "prompts.jsonl"
 CATEGORIES = ("chat", "code", "math", "edit")
@@ -106,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--draft-vocab", type=int, default=None, help="trained drafters: drafter.draft_vocab"
+    )
+    p.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="trained drafters: drafter.prompt_lookup on (copy runs from the context first, "
+        "as the shipped recipes do)",
     )
     p.add_argument(
         "--lookup-max-draft",
@@ -166,8 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "variant', e.g. '{\"learn_round_cost\": false}' (an A/B in one run; replays too)",
     )
     args = p.parse_args(argv)
-    if args.draft_vocab and args.drafter == "lookup":
-        p.error("--draft-vocab is for the trained drafters (dspark, dflash), not lookup")
+    if (args.draft_vocab or args.prompt_lookup) and args.drafter == "lookup":
+        p.error("--draft-vocab and --prompt-lookup are for the trained drafters, not lookup")
     if args.quick:
         args.per_category, args.ks, args.trials = 1, "1,4", 1
     if args.per_category is None:  # a file the user chose is taken whole
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         probe = load_drafter(section["checkpoint"], model, kind=args.drafter)
         if args.draft_vocab:
             section["draft_vocab"] = args.draft_vocab
+        if args.prompt_lookup:
+            section["prompt_lookup"] = True
     curves, cache_path, measured = obtain_curves(
         model,
         probe,
@@ -464,7 +473,7 @@ def plain_cap() -> Any:
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
 
     class Plain(FixedCap):
-        def choose(self, drafter_max: int | None) -> int:
+        def choose(self, drafter_max: int | None, source: str = "drafter") -> int:
             return 0
 
     return Plain(FixedCapConfig(k=1))
@@ -741,24 +750,29 @@ def decode_seconds(r: Any) -> float:
     return (r.num_tokens - 1) / r.decode_tokens_per_sec if r.decode_tokens_per_sec > 0 else 0.0
 
 
-def record_proposals(drafter: Any) -> list[tuple[int, int]]:
-    """Log (context length, tokens proposed) of every propose() call of `drafter`."""
-    calls: list[tuple[int, int]] = []
+def record_proposals(drafter: Any) -> list[tuple[int, int, bool]]:
+    """Log (context length, tokens proposed, whether the drafter's pass ran: not for a copied
+    run) of every propose() call of `drafter`."""
+    calls: list[tuple[int, int, bool]] = []
     propose = drafter.propose
 
     def recorded(history: list[int], k: int) -> Any:
+        copied = drafter.source(history) == COPY_SOURCE
         draft = propose(history, k)
-        calls.append((len(history), draft.count))
+        calls.append((len(history), draft.count, not copied))
         return draft
 
     drafter.propose = recorded
     return calls
 
 
-def model_seconds(curves: Any, r: Any, calls: list[tuple[int, int]], prompt_len: int) -> float:
-    """Decode time as the curves predict it: a drafting round verifies n + 1 rows at its depth;
-    a round without a propose() call (plain, or auto switched off) verifies one row."""
-    secs = sum(curves.round_cost(n, depth) for depth, n in calls)
+def model_seconds(
+    curves: Any, r: Any, calls: list[tuple[int, int, bool]], prompt_len: int
+) -> float:
+    """Decode time as the curves predict it: a drafting round verifies n + 1 rows at its depth
+    (and runs the drafter unless it copied); a round without a propose() call (plain, or auto
+    switched off) verifies one row."""
+    secs = sum(curves.round_cost(n, depth, ran) for depth, n, ran in calls)
     plain = max(0, r.num_rounds - len(calls))
     return secs + plain * curves.verify_cost(1, prompt_len + r.num_tokens / 2)
 

@@ -88,6 +88,13 @@ class Draft:
         return mx.concatenate([mx.array([last], dtype=mx.uint32), self.pending.astype(mx.uint32)])
 
 
+# Where a round's draft comes from. A drafter that also copies runs from the context (block
+# drafters' `prompt_lookup`) names the source before the cap picks k: the two differ in
+# acceptance and in cost (a copy skips the drafter's pass), so caps that learn plan each apart.
+DRAFTER_SOURCE = "drafter"
+COPY_SOURCE = "copy"
+
+
 class Drafter(Strategy):
     slot = "drafter"
 
@@ -103,6 +110,11 @@ class Drafter(Strategy):
 
     def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
         """A new generation starts from these prompt tokens, sampling with `sampler`."""
+
+    def source(self, history: list[int]) -> str:
+        """Where the next proposal after `history` would come from (`DRAFTER_SOURCE` unless the
+        drafter can also copy); the loop asks before the cap picks k."""
+        return DRAFTER_SOURCE
 
     def propose(self, history: list[int], k: int) -> Draft:
         """Propose up to k tokens that follow `history` (prompt + committed tokens)."""
@@ -172,11 +184,13 @@ class Sampler(Strategy):
 class DraftCap(Strategy):
     slot = "draft_cap"
 
-    def choose(self, drafter_max: int | None) -> int:
-        """How many tokens to draft this round."""
+    def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
+        """How many tokens to draft this round, whose draft comes from `source`."""
         raise NotImplementedError
 
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+    def observe(
+        self, proposed: int, accepted: int, seconds: float, source: str = DRAFTER_SOURCE
+    ) -> None:
         """Feedback after each round."""
 
 

@@ -27,6 +27,7 @@ from dspark_flow.calibration.store import ENV_DIR, VERSION, CurveStore, calibrat
 from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
 from dspark_flow.strategies.draft_caps.calibrated import CalibratedCap, CalibratedCapConfig
 from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE
 from tests.tiny import tiny_model
 
 FAST = {"depths": [8, 24], "repeats": 1, "warmup": 0}
@@ -361,6 +362,35 @@ def test_auto_lets_a_drafter_that_sizes_its_drafts_fill_the_limit_when_drafting_
     assert tail.count(0) >= 20 and max(tail) <= 2
 
 
+def test_auto_plans_copied_runs_apart_from_the_drafter_s_pass():
+    """A block drafter with `prompt_lookup` drafts from two sources. Where the drafter's pass
+    costs more than its drafts win, `auto` switches those rounds off, while copied runs (charged
+    no pass, accepted far more often) keep drafting; with one plan for both, the copies' hits
+    keep the losing drafter on."""
+    curves = synthetic(lambda K: 1 + 0.05 * (K - 1), block=7, drafter=0.6)
+    accept = {DRAFTER_SOURCE: 0.3, COPY_SOURCE: 0.9}
+    ks: dict[str, dict[str, list[int]]] = {}
+    for apart in (True, False):
+        cap = AutoCap(AutoCapConfig(plan_sources_apart=apart), curves=curves)
+        rng, chosen = random.Random(0), {DRAFTER_SOURCE: [], COPY_SOURCE: []}
+        for i in range(150):
+            source = COPY_SOURCE if i % 3 == 2 else DRAFTER_SOURCE
+            k = cap.choose(7, source)
+            got = 0
+            while got < k and rng.random() < accept[source]:
+                got += 1
+            cap.observe(k, got, 0.0, source)
+            chosen[source].append(k)
+        ks["apart" if apart else "one"] = chosen
+        if apart:
+            assert cap.state(DRAFTER_SOURCE).estimator.p_first < 0.45
+            assert cap.state(COPY_SOURCE).estimator.p_first > 0.75
+    drafter_tail = ks["apart"][DRAFTER_SOURCE][-30:]
+    assert drafter_tail.count(0) >= 24  # off, but for probes
+    assert ks["apart"][COPY_SOURCE][-20:] == [7] * 20  # copies size themselves: the limit
+    assert ks["one"][DRAFTER_SOURCE][-30:].count(0) <= 6  # the mixed estimate keeps it on
+
+
 def test_a_new_request_keeps_the_estimate_but_adapts_fast():
     curves = synthetic(lambda K: 1 + 0.05 * (K - 1))
     cap = AutoCap(AutoCapConfig(carry_weight=4.0), curves=curves)
@@ -495,6 +525,29 @@ def test_replay_charges_each_round_what_it_drafted():
     assert got.tokens == 7 and got.rounds == 4
     want = (2.5 + 0.25) + (1.5 + 0.25) + (1.5 + 0.25) + 1.0
     assert got.seconds == pytest.approx(want)
+
+
+def test_replay_charges_a_copied_round_no_drafter_pass():
+    from dspark_flow.calibration.simulate import DraftTrace, replay
+    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+
+    curves = synthetic(lambda K: 1.0 + 0.5 * (K - 1), block=4, drafter=0.25)
+    trace = DraftTrace(
+        prompt_len=10,
+        num_tokens=6,
+        end=6,
+        budget=16,
+        proposed=[0, 4, 4, 4, 4, 4],
+        accepted=[0, 2, 0, 0, 1, 0],
+        sources=["", COPY_SOURCE, "", "", DRAFTER_SOURCE, ""],
+    )
+    got = replay(FixedCap(FixedCapConfig(k=3)), trace, curves, block=4)
+    # j = 1, a copy: 3 drafted, 2 accepted, verify of 4 rows only; j = 4, the drafter's pass:
+    # 3 drafted, 1 accepted, verify and pass; j = 6 is the end.
+    assert got.accept_lengths == [3, 2]
+    assert got.seconds == pytest.approx(2.5 + (2.5 + 0.25))
+    trace.sources = None  # an older trace: every round ran the drafter
+    assert replay(FixedCap(FixedCapConfig(k=3)), trace, curves, 4).seconds == pytest.approx(5.5)
 
 
 def _draft_caps_script():  # noqa: ANN202
@@ -763,11 +816,17 @@ def test_the_loop_round_log_forwards_observe_and_dates_each_round_by_its_depth()
     log = record_rounds(cap)
     for proposed, accepted in [(4, 2), (0, 0), (3, 3)]:
         cap.observe(proposed, accepted, 0.5)
-    assert log == [(4, 2, 0.5), (0, 0, 0.5), (3, 3, 0.5)]
-    assert cap.depth == 10 + 3 + 1 + 4  # the wrapped observe still ran
+    cap.observe(2, 1, 0.25, COPY_SOURCE)
+    cap.observe(1, 0, 0.5)
+    assert log[:3] == [(4, 2, 0.5, DRAFTER_SOURCE), (0, 0, 0.5, DRAFTER_SOURCE)] + [
+        (3, 3, 0.5, DRAFTER_SOURCE)
+    ]
+    assert log[3] == (2, 1, 0.25, COPY_SOURCE)
+    assert cap.depth == 10 + 3 + 1 + 4 + 2 + 1  # the wrapped observe still ran
     rounds = rounds_of(log, prompt_len=10)
-    # The prompt plus the prefill's token, then each round's accepted drafts + 1.
-    assert [(r.rows, r.depth) for r in rounds] == [(5, 11), (1, 14), (4, 15)]
+    # The prompt plus the prefill's token, then each round's accepted drafts + 1; the copied
+    # round (no drafter pass, so not a drafter round's cost) is left out, its tokens counted.
+    assert [(r.rows, r.depth) for r in rounds] == [(5, 11), (1, 14), (4, 15), (2, 21)]
 
 
 def test_loop_costs_rescale_the_curves_per_row_count_and_say_so_when_too_few():

@@ -36,9 +36,11 @@ from dspark_flow.models.drafter_loading import (
 )
 from dspark_flow.models.taps import install_taps
 from dspark_flow.pipeline import Pipeline
+from dspark_flow.strategies.drafters import block_drafter
+from dspark_flow.strategies.drafters.lookup import find_copy
 from dspark_flow.strategies.samplers.greedy import GreedySampler
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler
-from dspark_flow.strategy import Draft
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, Draft
 from tests import drafter_helpers as h
 from tests.tiny import VOCAB, tiny_args
 
@@ -888,6 +890,12 @@ def test_prompt_lookup_copies_runs_losslessly_and_keeps_the_context(
         return own_pass(history, k)
 
     monkeypatch.setattr(drafter, "propose_block", counted)
+    # The loop asks for the round's source before the cap picks k, then proposes: one search of
+    # the context a round, and the source named is the one the draft came from.
+    searches, sources = [], []
+    monkeypatch.setattr(block_drafter, "find_copy", lambda *a: searches.append(1) or find_copy(*a))
+    named = drafter.source
+    monkeypatch.setattr(drafter, "source", lambda h: sources.append(named(h)) or sources[-1])
     prompt = PROMPTS[0] * 3  # runs to copy from the start
     ref = api.greedy_generate(tiny4, tok, prompt, max_new_tokens=40, chat=False)
     res = api.speculative_generate(
@@ -896,6 +904,8 @@ def test_prompt_lookup_copies_runs_losslessly_and_keeps_the_context(
     assert res.token_ids == ref.token_ids
     copied = res.num_rounds - len(passes)
     assert copied > 0 and passes, (copied, len(passes))  # both kinds of round ran
+    assert len(searches) == len(sources) == res.num_rounds
+    assert sources.count(COPY_SOURCE) == copied and sources.count(DRAFTER_SOURCE) == len(passes)
     history = prompt + res.token_ids
     drafter._sync_context(history)
     want = ContextKV(len(drafter.model.layers))

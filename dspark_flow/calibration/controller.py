@@ -11,7 +11,11 @@ and how much longer its rounds take than the curves charge (the host's speed mov
 
 `CurveCap` is the DraftCap both `calibrated` (fixed prior p) and `auto` (p learnt per round,
 speculation off when the gain drops below 1 even at an optimistic reading of the evidence,
-periodic probes to come back) are built on.
+periodic probes to come back) are built on. With `plan_sources_apart`, each source of drafts
+(the drafter's own pass, or a run copied from the context: `Drafter.source`) is planned apart: a
+copy skips the drafter's pass, so it is charged only its verify, and its acceptance is learnt on
+its own, so copies' hits do not keep a losing drafter on, and the drafter's misses do not switch
+copies off. Off by default: on held-out prompts it did not pay (docs/benchmarks.md §3).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -31,7 +35,7 @@ from dspark_flow.calibration.estimators import (
     RoundCostOffset,
 )
 from dspark_flow.log import get_logger
-from dspark_flow.strategy import BuildContext, DraftCap, StrategyConfig
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, BuildContext, DraftCap, StrategyConfig
 
 log = get_logger()
 
@@ -77,6 +81,7 @@ def plan_table(
     p_first: float | None = None,
     survival: list[float] | None = None,
     offset: float = 0.0,
+    drafter_pass: bool = True,
 ) -> list[Plan]:
     """One Plan per k = 0..max_k (k = 0 is plain decoding).
 
@@ -84,6 +89,7 @@ def plan_table(
     drafts min(L, k) tokens for the drafter's natural length L, and the plan averages tokens
     and time over L. Without it the drafter always fills k. `offset`: seconds added to every
     round (what `auto` learnt the rounds take beyond the curves; `RoundCostOffset`).
+    `drafter_pass=False` charges no drafter cost (copied drafts).
     """
     max_k = max(0, max_k)
     verify = curves.verify_costs(max_k + 1, depth)  # verify[n]: n drafted tokens
@@ -96,7 +102,7 @@ def plan_table(
     for k in range(max_k + 1):
         tail = 1.0 if survival is None else survival[min(k, len(survival) - 1)]  # P(L >= k)
         tokens = short_tokens + tail * tokens_at[k]
-        seconds = short_seconds + tail * verify[k] + curves.drafter_cost(k)
+        seconds = short_seconds + tail * verify[k] + (curves.drafter_cost(k) if drafter_pass else 0)
         gain = (tokens / seconds) * plain if seconds > 0 else float("inf")
         out.append(Plan(k=k, tokens=tokens, seconds=seconds, gain=gain))
         if survival is not None:
@@ -117,11 +123,12 @@ def best_plan(
     margin: float = 0.0,
     keep_floor: float = 0.0,
     offset: float = 0.0,
+    drafter_pass: bool = True,
 ) -> Plan:
     """The k >= 1 (when max_k >= 1) with the highest expected tokens per second; or `keep`
     (the previous round's k), where that is expected within `margin` of the best and its gain
     is at least `keep_floor` (so keeping a k never turns drafting off where the best pays)."""
-    table = plan_table(curves, p, depth, max_k, p_first, survival, offset)
+    table = plan_table(curves, p, depth, max_k, p_first, survival, offset, drafter_pass)
     best = table[1] if len(table) > 1 else table[0]
     for plan in table[2:]:
         if plan.gain > best.gain * (1.0 + TOLERANCE):
@@ -133,6 +140,19 @@ def best_plan(
 
 
 # -- the draft cap -----------------------------------------------------------------------------
+
+
+@dataclass
+class SourceState:
+    """What a cap learns about one source of drafts, and where its on/off logic stands."""
+
+    estimator: AcceptanceEstimator
+    lengths: LengthEstimator | None = None  # made once the block is known
+    off_rounds: int = 0
+    single_rounds: int = 0  # rounds planned at one token since the last two-token probe
+    planned_k: int = 0  # the last k chosen from the plan (not a probe): what a margin keeps
+    last_k: int = 0
+    chosen: Counter[int] = field(default_factory=Counter)  # k per round, for reports
 
 
 class CurveCapConfig(StrategyConfig):
@@ -150,6 +170,14 @@ class CurveCapConfig(StrategyConfig):
     force: bool = Field(False, description="measure again even if cached curves exist")
     cache_dir: str | None = Field(
         None, description="where curves are cached (default $DSPARK_FLOW_CALIBRATION_DIR or cache)"
+    )
+    plan_sources_apart: bool = Field(
+        False,
+        description="plan rounds that copy a run from the context (drafter option "
+        "prompt_lookup) apart from the drafter's own: a copy is charged no drafter pass and its "
+        "acceptance is learnt on its own. Off by default: replayed and measured on held-out "
+        "prompts it came within 2% of one plan for every round, either way (docs/benchmarks.md "
+        "§3)",
     )
 
 
@@ -217,21 +245,36 @@ class CurveCap(DraftCap):
         self.cache_path: Any = None
         self.depth = 0  # tokens in the context (prompt + committed) of the current generation
         self.chosen: Counter[int] = Counter()  # k per round, for reports
-        self._off_rounds = 0
-        self._single_rounds = 0  # rounds planned at one token since the last two-token probe
-        self._plans: dict[tuple[float, float, int, int, int | None], Plan] = {}
-        self._lengths: LengthEstimator | None = None  # made once the block is known
-        self._last_k = 0
+        self._plans: dict[tuple[Any, ...], Plan] = {}
         # Set from the drafter at warm_up (or by a replay): whether it sizes its own drafts.
         self.drafter_sizes_drafts = False
-        self._planned_k = 0  # the last k chosen from the plan (not a probe): what a margin keeps
         self.round_cost = RoundCostOffset(window=2 * getattr(self.config, "window", 32.0))
-        cfg = self.config
-        self.estimator = AcceptanceEstimator(
-            prior=cfg.acceptance,
-            prior_weight=getattr(cfg, "prior_weight", 2.0),
-            window=getattr(cfg, "window", 32.0),
-        )
+        self.sources: dict[str, SourceState] = {}
+        self._source = DRAFTER_SOURCE  # the source of the round being planned or observed
+        self.state(DRAFTER_SOURCE)
+
+    def state(self, source: str) -> SourceState:
+        """What was learnt about `source` (made at the prior on first use)."""
+        if (found := self.sources.get(source)) is None:
+            cfg = self.config
+            found = self.sources[source] = SourceState(
+                AcceptanceEstimator(
+                    prior=cfg.acceptance,
+                    prior_weight=getattr(cfg, "prior_weight", 2.0),
+                    window=getattr(cfg, "window", 32.0),
+                )
+            )
+        return found
+
+    @property
+    def current(self) -> SourceState:
+        return self.state(self._source)
+
+    @property
+    def estimator(self) -> AcceptanceEstimator:
+        """The acceptance learnt for the current source (the drafter's unless a copy's round
+        is being planned)."""
+        return self.current.estimator
 
     # -- warm-up -----------------------------------------------------------------------------
 
@@ -287,12 +330,13 @@ class CurveCap(DraftCap):
         """A generation starts after these prompt tokens. The acceptance estimate carries over
         (a drafter's hit rate says more than the prior) but with little weight: prompts differ."""
         self.depth = len(prompt_ids)
-        self._off_rounds = self._single_rounds = 0
-        if self.adaptive:
-            carry = getattr(self.config, "carry_weight", 4.0)
-            self.estimator.new_request(carry)
-            if (lengths := self.lengths) is not None:
-                lengths.new_request(carry)
+        carry = getattr(self.config, "carry_weight", 4.0)
+        for state in self.sources.values():
+            state.off_rounds = state.single_rounds = 0
+            if self.adaptive:
+                state.estimator.new_request(carry)
+                if state.lengths is not None:
+                    state.lengths.new_request(carry)
 
     def limit(self, drafter_max: int | None) -> int:
         bounds = [b for b in (drafter_max, self.config.max_k) if b is not None]
@@ -308,12 +352,25 @@ class CurveCap(DraftCap):
 
     @property
     def lengths(self) -> LengthEstimator | None:
-        """What `auto` learnt about how many tokens the drafter proposes (None otherwise)."""
-        if self._lengths is None and self.adaptive and self.curves is not None:
-            self._lengths = LengthEstimator(
+        """What `auto` learnt about how many tokens the current source proposes (None
+        otherwise)."""
+        state = self.current
+        if state.lengths is None and self.adaptive and self.curves is not None:
+            state.lengths = LengthEstimator(
                 self.curves.block, getattr(self.config, "window", 32.0) * 2
             )
-        return self._lengths
+        return state.lengths
+
+    @property
+    def drafter_pass(self) -> bool:
+        """Whether the current source's rounds run the drafter (a copy does not)."""
+        return self._source != COPY_SOURCE
+
+    @property
+    def sizes_drafts(self) -> bool:
+        """Whether the current source sizes its own drafts: copies stop where the copied run
+        does (lookup's rule), the drafter's pass as `Drafter.sizes_own_drafts` says."""
+        return self._source == COPY_SOURCE or self.drafter_sizes_drafts
 
     def plan(self, drafter_max: int | None = None, optimistic: bool = False) -> Plan | None:
         if self.curves is None:
@@ -324,21 +381,50 @@ class CurveCap(DraftCap):
             p_first, p = self.estimator.first.upper(level), self.estimator.next.upper(level)
         limit = self.limit(drafter_max)
         margin = getattr(self.config, "switch_margin", 0.0)
-        keep = self._planned_k if margin > 0 and self._planned_k > 0 else None
+        planned = self.current.planned_k
+        keep = planned if margin > 0 and planned > 0 else None
         floor = getattr(self.config, "min_gain", 1.0)
-        offset = self.cost_offset()
+        offset, drafter_pass = self.cost_offset(), self.drafter_pass
         if (lengths := self.lengths) is not None:
             survival = lengths.survival()
             return best_plan(
-                self.curves, p, self.depth, limit, p_first, survival, keep, margin, floor, offset
+                self.curves,
+                p,
+                self.depth,
+                limit,
+                p_first,
+                survival,
+                keep,
+                margin,
+                floor,
+                offset,
+                drafter_pass,
             )
         # Rounds repeat the same situation often; the table costs ~k interpolations.
-        key = (round(p_first, 3), round(p, 3), self.depth // DEPTH_STEP, limit, keep, offset)
+        key = (
+            round(p_first, 3),
+            round(p, 3),
+            self.depth // DEPTH_STEP,
+            limit,
+            keep,
+            offset,
+            drafter_pass,
+        )
         if (found := self._plans.get(key)) is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
             found = self._plans[key] = best_plan(
-                self.curves, p, self.depth, limit, p_first, None, keep, margin, floor, offset
+                self.curves,
+                p,
+                self.depth,
+                limit,
+                p_first,
+                None,
+                keep,
+                margin,
+                floor,
+                offset,
+                drafter_pass,
             )
         return found
 
@@ -353,9 +439,12 @@ class CurveCap(DraftCap):
         step = OFFSET_STEP * self.curves.verify_cost(1, 0)
         return round(offset / step) * step if step > 0 else 0.0
 
-    def choose(self, drafter_max: int | None) -> int:
-        k = self._last_k = self._choose(drafter_max)
+    def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
+        self._source = source if self.config.plan_sources_apart else DRAFTER_SOURCE
+        state = self.current
+        k = state.last_k = self._choose(drafter_max)
         self.chosen[k] += 1
+        state.chosen[k] += 1
         return k
 
     def _choose(self, drafter_max: int | None) -> int:
@@ -368,34 +457,35 @@ class CurveCap(DraftCap):
             return plan.k
         cfg = self.config
         min_gain = getattr(cfg, "min_gain", 1.0)
+        state = self.current
         if plan.gain >= min_gain or self._unsure_it_loses(drafter_max, min_gain):
-            self._off_rounds = 0
-            self._planned_k = plan.k  # the probe of two below does not count as a choice
-            if self.drafter_sizes_drafts and getattr(cfg, "follow_drafter_sizes", True):
+            state.off_rounds = 0
+            state.planned_k = plan.k  # the probe of two below does not count as a choice
+            if self.sizes_drafts and getattr(cfg, "follow_drafter_sizes", True):
                 # The plan's k assumes one acceptance rate for every draft; such a drafter
                 # drafts long only where its evidence is strong (lookup's edit prompts, replayed
                 # over 14 prompt orders: 0.84 -> 1.08 of the best fixed k in the worst one,
                 # docs/benchmarks.md §3).
-                self._single_rounds = 0
+                state.single_rounds = 0
                 return limit
             if plan.k != 1 or limit < 2:
-                self._single_rounds = 0
+                state.single_rounds = 0
                 return plan.k
             # Drafting one token never shows whether a second would have been accepted, so the
             # later positions' estimate would stay wherever earlier prompts left it: now and
             # then draft two, as rarely as its expected cost requires.
-            self._single_rounds += 1
-            if self._single_rounds >= self._rounds_between(1, 2):
-                self._single_rounds = 0
+            state.single_rounds += 1
+            if state.single_rounds >= self._rounds_between(1, 2):
+                state.single_rounds = 0
                 return 2
             return 1
         # Plain decoding is expected to be faster; still draft a little now and then, since the
         # estimate only moves on rounds that draft.
-        self._single_rounds = self._planned_k = 0
-        self._off_rounds += 1
+        state.single_rounds = state.planned_k = 0
+        state.off_rounds += 1
         every = self._probe_every(limit)
-        if every is not None and self._off_rounds >= every:
-            self._off_rounds = 0
+        if every is not None and state.off_rounds >= every:
+            state.off_rounds = 0
             return min(getattr(cfg, "probe_k", 2), limit)
         return 0
 
@@ -421,7 +511,14 @@ class CurveCap(DraftCap):
         """Rounds between probes while off; None when no k could pay even if every draft were
         accepted (then probing learns nothing useful)."""
         assert self.curves is not None
-        perfect = best_plan(self.curves, 1.0, self.depth, limit, offset=self.cost_offset())
+        perfect = best_plan(
+            self.curves,
+            1.0,
+            self.depth,
+            limit,
+            offset=self.cost_offset(),
+            drafter_pass=self.drafter_pass,
+        )
         if perfect.gain <= getattr(self.config, "min_gain", 1.0) * (1.0 + TOLERANCE):
             return None  # even drafts that are always accepted would at best break even
         return self._rounds_between(0, min(getattr(self.config, "probe_k", 2), limit))
@@ -445,6 +542,7 @@ class CurveCap(DraftCap):
             p_first,
             survival=lengths.survival() if lengths else None,
             offset=self.cost_offset(),
+            drafter_pass=self.drafter_pass,
         )
         base, trial = table[k], table[probe]
         # In the time of a probe round the planned k would commit trial.seconds * base.rate
@@ -454,14 +552,18 @@ class CurveCap(DraftCap):
             getattr(cfg, "probe_every", 4), math.ceil(loss / getattr(cfg, "probe_cost", 0.02))
         )
 
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+    def observe(
+        self, proposed: int, accepted: int, seconds: float, source: str = DRAFTER_SOURCE
+    ) -> None:
+        self._source = source if self.config.plan_sources_apart else DRAFTER_SOURCE
         if self.adaptive and self.curves is not None:  # measured against what the curves charge
-            self.round_cost.update(seconds, self.curves.round_cost(proposed, self.depth))
+            charged = self.curves.round_cost(proposed, self.depth, self.drafter_pass)
+            self.round_cost.update(seconds, charged)
         self.depth += accepted + 1
         if self.adaptive:
             self.estimator.update(proposed, accepted)
             if (lengths := self.lengths) is not None:
-                lengths.update(self._last_k, proposed)
+                lengths.update(self.current.last_k, proposed)
 
 
 def verifier_identity(verifier: Any) -> str:

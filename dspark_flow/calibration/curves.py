@@ -81,10 +81,12 @@ class Curves:
     def drafter_cost(self, k: int) -> float:
         return 0.0 if k <= 0 else self.drafter[min(k, len(self.drafter) - 1)]
 
-    def round_cost(self, drafted: int, depth: float) -> float:
+    def round_cost(self, drafted: int, depth: float, drafter_pass: bool = True) -> float:
         """What one round that drafted `drafted` tokens costs at `depth`: their verify (plus
-        the last committed token's row) and proposing them (nothing when none were)."""
-        return self.verify_cost(drafted + 1, depth) + self.drafter_cost(drafted)
+        the last committed token's row) and proposing them (nothing when none were, or when
+        they were copied: `drafter_pass=False`)."""
+        verify = self.verify_cost(drafted + 1, depth)
+        return verify + self.drafter_cost(drafted) if drafter_pass else verify
 
     def to_dict(self) -> dict[str, Any]:
         return {

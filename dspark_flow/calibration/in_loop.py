@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dspark_flow.calibration.curves import Curves
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE
 
 # Fewer rounds than this at one row count are too few for a median that decides anything.
 MIN_ROUNDS = 5
@@ -32,26 +33,32 @@ class Round:
     seconds: float
 
 
-def record_rounds(cap: Any) -> list[tuple[int, int, float]]:
-    """Log (proposed, accepted, seconds) of every round `cap` observes; the list is live."""
-    log: list[tuple[int, int, float]] = []
+def record_rounds(cap: Any) -> list[tuple[int, int, float, str]]:
+    """Log (proposed, accepted, seconds, source) of every round `cap` observes; the list is
+    live."""
+    log: list[tuple[int, int, float, str]] = []
     observe = cap.observe
 
-    def recorded(proposed: int, accepted: int, seconds: float) -> None:
-        log.append((proposed, accepted, seconds))
-        observe(proposed, accepted, seconds)
+    def recorded(
+        proposed: int, accepted: int, seconds: float, source: str = DRAFTER_SOURCE
+    ) -> None:
+        log.append((proposed, accepted, seconds, source))
+        observe(proposed, accepted, seconds, source)
 
     cap.observe = recorded
     return log
 
 
-def rounds_of(log: Iterable[tuple[int, int, float]], prompt_len: int) -> list[Round]:
+def rounds_of(log: Iterable[tuple[int, int, float, str]], prompt_len: int) -> list[Round]:
     """One generation's logged rounds with the depth each started at: the prompt plus the
-    prefill's token, then what every earlier round committed (its accepted drafts + 1)."""
+    prefill's token, then what every earlier round committed (its accepted drafts + 1). Rounds
+    that drafted a copied run are left out (they ran no drafter pass, so their times are not
+    what the curves charge a round of that many rows); their tokens still count for depth."""
     depth = prompt_len + 1
     out = []
-    for proposed, accepted, seconds in log:
-        out.append(Round(rows=proposed + 1, depth=depth, seconds=seconds))
+    for proposed, accepted, seconds, source in log:
+        if not (source == COPY_SOURCE and proposed > 0):
+            out.append(Round(rows=proposed + 1, depth=depth, seconds=seconds))
         depth += accepted + 1
     return out
 

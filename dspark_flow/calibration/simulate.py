@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspark_flow.calibration.curves import Curves
-from dspark_flow.strategy import Draft, DraftCap
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, Draft, DraftCap
 
 
 @dataclass
@@ -34,6 +34,9 @@ class DraftTrace:
     proposed: list[int]
     accepted: list[int]
     category: str = ""
+    # Index j: the source the round's draft comes from (`Drafter.source`); None: the drafter's
+    # own pass everywhere (traces recorded before copies were planned apart).
+    sources: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -68,11 +71,13 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
     if not getattr(sampler, "greedy", False):
         raise ValueError("record_trace replays greedy decoding: use a greedy sampler")
     drafts: dict[int, list[int]] = {}
+    sources: dict[int, str] = {}
     committed: list[int] = []  # every round's token, a stop token the output drops included
     prompt_len = len(pipeline.encode_prompt(prompt))
     originals = drafter.propose, pipeline.draft_cap.choose, sampler.verify
 
     def propose(history: list[int], k: int) -> Draft:
+        sources[len(history) - prompt_len] = drafter.source(history)
         drafts[len(history) - prompt_len] = list(originals[0](history, k).resolve().tokens)
         return Draft()  # the round verifies only the target's own token
 
@@ -82,19 +87,28 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
         return accepted, token
 
     drafter.propose, sampler.verify = propose, verify
-    pipeline.draft_cap.choose = lambda drafter_max: drafter_max or 16
+    pipeline.draft_cap.choose = lambda drafter_max, source=DRAFTER_SOURCE: drafter_max or 16
     try:
         result = pipeline.generate(prompt, max_new_tokens=max_tokens)
     finally:
         drafter.propose, pipeline.draft_cap.choose, sampler.verify = originals
     out = result.token_ids[:1] + committed
     proposed, accepted = [0] * len(out), [0] * len(out)
+    source_at = [DRAFTER_SOURCE] * len(out)
     for j, tokens in drafts.items():
         if 1 <= j < len(out):
             proposed[j] = len(tokens)
             accepted[j] = _matching_prefix(tokens, out[j:])
+            source_at[j] = sources[j]
     return DraftTrace(
-        prompt_len, result.num_tokens, len(out), max_tokens, proposed, accepted, category
+        prompt_len,
+        result.num_tokens,
+        len(out),
+        max_tokens,
+        proposed,
+        accepted,
+        category,
+        source_at,
     )
 
 
@@ -109,22 +123,24 @@ def _matching_prefix(draft: list[int], truth: list[int]) -> int:
 
 def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Replay:
     """Decode `trace` with `cap` choosing k each round (at most `block`); every round is charged
-    `curves.round_cost(proposed, depth)`: verify(proposed + 1 rows) + drafter(proposed)."""
+    `curves.round_cost(proposed, depth)`: verify(proposed + 1 rows) + drafter(proposed), the
+    drafter's part only where the round's source runs it (not for a copied run)."""
     out = Replay()
     if hasattr(cap, "begin"):
         cap.begin([0] * trace.prompt_len)  # type: ignore[attr-defined]
     j = 1
     while j < trace.end:
-        k = min(cap.choose(block), block, trace.budget - j - 1)  # the loop's token budget
+        source = trace.sources[j] if trace.sources else DRAFTER_SOURCE
+        k = min(cap.choose(block, source), block, trace.budget - j - 1)  # the loop's budget
         depth = trace.prompt_len + j
         proposed = min(max(k, 0), trace.proposed[j])
         accepted = min(proposed, trace.accepted[j])
-        seconds = curves.round_cost(proposed, depth)
+        seconds = curves.round_cost(proposed, depth, source != COPY_SOURCE)
         out.seconds += seconds
         out.rounds += 1
         out.chosen[max(k, 0)] += 1
         out.accept_lengths.append(accepted + 1)
-        cap.observe(proposed, accepted, seconds)  # a cap that learns round costs sees the charge
+        cap.observe(proposed, accepted, seconds, source)  # learns the charge as a round time
         j += accepted + 1
     out.tokens = max(0, trace.num_tokens - 1)
     return out

@@ -20,6 +20,7 @@ from dspark_flow.engine.textstream import TextStream
 from dspark_flow.errors import ConfigError, PromptError
 from dspark_flow.result import GenResult
 from dspark_flow.strategy import (
+    DRAFTER_SOURCE,
     CacheStrategy,
     Draft,
     DraftCap,
@@ -139,10 +140,12 @@ def decode(
 
         # One round.
         t_round = time.perf_counter()
-        k = c.draft_cap.choose(c.drafter.max_draft) if drafting else 0
+        history = prompt_ids + generated
+        source = c.drafter.source(history) if drafting else DRAFTER_SOURCE
+        k = c.draft_cap.choose(c.drafter.max_draft, source) if drafting else 0
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
-        draft = c.drafter.propose(prompt_ids + generated, k) if k > 0 else Draft()
+        draft = c.drafter.propose(history, k) if k > 0 else Draft()
         if draft.pending is not None:  # the drafter computes while the verify graph is built
             mx.async_eval(draft.pending)
         logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
@@ -157,7 +160,7 @@ def decode(
         if drafting:
             c.drafter.after_forward(accepted + 1)  # rows of [last token, accepted drafts]
             c.drafter.observe(len(draft.tokens), accepted)
-            c.draft_cap.observe(len(draft.tokens), accepted, time.perf_counter() - t_round)
+            c.draft_cap.observe(len(draft.tokens), accepted, time.perf_counter() - t_round, source)
 
     text = stream.finish(generated, stopped_by_text)
     for piece in pending:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dspark_flow.strategy import DraftCap, StrategyConfig
+from dspark_flow.strategy import DRAFTER_SOURCE, DraftCap, StrategyConfig
 
 
 class FixedCapConfig(StrategyConfig):
@@ -18,5 +18,5 @@ class FixedCap(DraftCap):
     Config = FixedCapConfig
     config: FixedCapConfig
 
-    def choose(self, drafter_max: int | None) -> int:
+    def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         return self.config.k if drafter_max is None else min(self.config.k, drafter_max)

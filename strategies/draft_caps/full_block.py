@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dspark_flow.strategy import DraftCap, StrategyConfig
+from dspark_flow.strategy import DRAFTER_SOURCE, DraftCap, StrategyConfig
 
 
 class FullBlockConfig(StrategyConfig):
@@ -20,5 +20,5 @@ class FullBlockCap(DraftCap):
     Config = FullBlockConfig
     config: FullBlockConfig
 
-    def choose(self, drafter_max: int | None) -> int:
+    def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         return self.config.unbounded_k if drafter_max is None else drafter_max

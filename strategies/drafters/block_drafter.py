@@ -34,7 +34,15 @@ from dspark_flow.models.drafter_loading import (
 )
 from dspark_flow.models.taps import FeatureTaps, install_taps
 from dspark_flow.strategies.drafters.lookup import NgramSearch, find_copy
-from dspark_flow.strategy import BuildContext, Draft, Drafter, Sampler, StrategyConfig
+from dspark_flow.strategy import (
+    COPY_SOURCE,
+    DRAFTER_SOURCE,
+    BuildContext,
+    Draft,
+    Drafter,
+    Sampler,
+    StrategyConfig,
+)
 
 
 class PromptLookup(NgramSearch):
@@ -145,6 +153,8 @@ class BlockDrafter(Drafter):
         self._state = ContextKV(0)
         self._pending: list[mx.array] = []
         self._rows = 0  # committed rows received since begin()
+        # (history, the run prompt_lookup copies after it): one search a round
+        self._copied: tuple[list[int], list[int]] | None = None
         self._ids: mx.array | None = None  # the draft vocabulary's token ids (None: all)
         # Set to a list to record each slot's scores (tests compare them with a reference).
         self.trace: list[Any] | None = None
@@ -236,6 +246,7 @@ class BlockDrafter(Drafter):
         self._sampler = sampler
         self._state = ContextKV(len(self.model.layers))
         self._pending, self._rows = [], 0
+        self._copied = None
         self._taps.latest.clear()
 
     def after_forward(self, committed: int) -> None:
@@ -272,15 +283,26 @@ class BlockDrafter(Drafter):
                 "target forward"
             )
 
+    def source(self, history: list[int]) -> str:
+        return COPY_SOURCE if self._copy_run(history) else DRAFTER_SOURCE
+
     def propose(self, history: list[int], k: int) -> Draft:
-        lookup = self.config.prompt_lookup
-        if lookup is not None:
-            # A copy run is likelier accepted than the drafter's guess; the features of the
-            # rows committed meanwhile wait in _pending until the drafter runs again.
-            tokens, match = find_copy(history, k, lookup)
-            if match >= lookup.min_match:
-                return Draft(tokens=tokens)
+        # A copy run is likelier accepted than the drafter's guess; the features of the rows
+        # committed meanwhile wait in _pending until the drafter runs again.
+        if copied := self._copy_run(history):
+            return Draft(tokens=copied[:k])
         return self.propose_block(history, k)
+
+    def _copy_run(self, history: list[int]) -> list[int]:
+        """The run `prompt_lookup` would copy after `history` (empty: none, or the option is
+        off), searched once per round: `source` and `propose` ask about the same history."""
+        lookup = self.config.prompt_lookup
+        if lookup is None:
+            return []
+        if self._copied is None or self._copied[0] != history:
+            tokens, match = find_copy(history, self.max_draft or 0, lookup)
+            self._copied = (list(history), tokens if match >= lookup.min_match else [])
+        return self._copied[1]
 
     def propose_block(self, history: list[int], k: int) -> Draft:
         """The drafter's own pass over one block (what calibration times: a copied run costs
