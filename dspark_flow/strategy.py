@@ -90,7 +90,8 @@ class Draft:
 
 # Where a round's draft comes from. A drafter that also copies runs from the context (block
 # drafters' `prompt_lookup`) names the source before the cap picks k: the two differ in
-# acceptance and in cost (a copy skips the drafter's pass), so caps that learn plan each apart.
+# acceptance and in cost (a copy skips the drafter's pass), so a cap can plan each apart
+# (`plan_sources_apart`) and replays charge each what it costs.
 DRAFTER_SOURCE = "drafter"
 COPY_SOURCE = "copy"
 

@@ -35,7 +35,7 @@ class DraftTrace:
     accepted: list[int]
     category: str = ""
     # Index j: the source the round's draft comes from (`Drafter.source`); None: the drafter's
-    # own pass everywhere (traces recorded before copies were planned apart).
+    # own pass everywhere (traces recorded before sources were).
     sources: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
