@@ -1,0 +1,112 @@
+"""What a round that drafts nothing costs in a drafting pipeline, against plain greedy's step.
+
+`auto` drafts nothing where drafting would lose (chat, mostly), so those rounds should cost what
+plain decoding does. On the H200's sweep of 2026-12-02 the DSpark pipeline's one-row rounds took
+6.85 ms in the loop against 5.46 ms a token for greedy (docs/benchmarks.md §3). This decodes the
+same prompts with greedy and with the shipped DSpark drafter's pipeline forced to draft nothing,
+interleaved, and reports ms per token and the median of the paired ratios. `--eager-features`
+adds a third pipeline that evaluates the target features the drafter keeps for its next pass
+with each round's forward (so the forward's buffers are not held until then).
+
+    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
+
+CLI_VERIFIER = {
+    "kind": "kernels",
+    "invariant": True,
+    "compile_layers": True,
+    "fuse_projections": True,
+    "prefer_stock": True,
+}
+
+
+def never_draft(pipe: Any) -> Any:
+    """The pipeline's cap picks k = 0 every round (the drafter still gets every feature)."""
+    pipe.draft_cap.choose = lambda drafter_max, source="drafter": 0
+    return pipe
+
+
+def eager_features(pipe: Any) -> Any:
+    """Evaluate the features the drafter keeps, with the round's forward, instead of at its
+    next pass."""
+    import mlx.core as mx
+
+    drafter = pipe.drafter
+    keep = drafter.after_forward
+
+    def after_forward(committed: int) -> None:
+        keep(committed)
+        mx.async_eval(drafter._pending[-1])
+
+    drafter.after_forward = after_forward
+    return pipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=Path, required=True, help="JSONL of {category, turns}")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--eager-features", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
+    args = p.parse_args(argv)
+
+    from dspark_flow.api import load_target
+    from dspark_flow.pipeline import Pipeline
+
+    model, tok = load_target("builtin:smollm2-135m")
+    stops = [{"kind": "eos"}, {"kind": "max_tokens", "limit": args.max_tokens}]
+    drafter = {
+        "kind": "dspark",
+        "checkpoint": "builtin:smollm2-135m-dspark",
+        "draft_vocab": 8192,
+        "prompt_lookup": True,
+    }
+
+    def build(section: dict[str, Any]) -> Any:
+        recipe = {"drafter": section, "verifier": CLI_VERIFIER, "stop": stops}
+        if section["kind"] != "none":
+            recipe["draft_cap"] = {"kind": "fixed", "k": 1}
+        return Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
+
+    pipes = {"greedy": build({"kind": "none"}), "dspark, k = 0": never_draft(build(drafter))}
+    if args.eager_features:
+        pipes["dspark, k = 0, eager features"] = eager_features(never_draft(build(drafter)))
+    prompts = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines()]
+    ms: dict[str, list[float]] = {name: [] for name in pipes}
+    names = list(pipes)
+    for trial in range(args.trials + 1):  # the first pass warms every shape up, untimed
+        for i, prompt in enumerate(prompts):
+            shift = (trial + i) % len(names)
+            for name in names[shift:] + names[:shift]:  # rotated: no mode always runs first
+                r = pipes[name].generate(prompt, max_new_tokens=args.max_tokens)
+                if trial > 0 and r.decode_tokens_per_sec > 0:
+                    ms[name].append(1000.0 / r.decode_tokens_per_sec)
+    report: dict[str, Any] = {}
+    for name, values in ms.items():
+        pairs = [b / a for a, b in zip(ms["greedy"], values, strict=True)]
+        report[name] = {
+            "ms_per_token": round(statistics.median(values), 3),
+            "paired_ratio_to_greedy": round(statistics.median(pairs), 3),
+        }
+        print(
+            f"{name}: {report[name]['ms_per_token']} ms/token (median), "
+            f"{report[name]['paired_ratio_to_greedy']} of greedy's (median of pairs)"
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"prompts": len(prompts), **report}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
