@@ -441,8 +441,8 @@ case "${1:-}" in
     # every round, beside greedy; TRIALS (default 3) after a warm-up pass; BENCH_ARGS as above
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     for d in ${DRAFTERS:-dspark dflash}; do
-      variant $d $d-apart '{kind: auto}'
-      variant $d $d-one '{kind: auto, plan_sources_apart: false}'
+      variant $d $d-apart '{kind: auto, plan_sources_apart: true}'
+      variant $d $d-one '{kind: auto}'  # the default: one plan for every round
       bench_run sources-$d 0 /tmp/$d-apart.yaml /tmp/$d-one.yaml --trials "${TRIALS:-3}" ${BENCH_ARGS:-}
     done
     ;;
