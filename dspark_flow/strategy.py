@@ -8,6 +8,8 @@ talks to these base classes.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -185,6 +187,15 @@ class Sampler(Strategy):
 class DraftCap(Strategy):
     slot = "draft_cap"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Caps written before rounds named their source define choose(drafter_max) and
+        # observe(proposed, accepted, seconds): adapt them here rather than fail mid-generation.
+        for name in ("choose", "observe"):
+            method = cls.__dict__.get(name)
+            if method is not None and not _takes_source(method):
+                setattr(cls, name, _without_source(method))
+
     def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         """How many tokens to draft this round, whose draft comes from `source`."""
         raise NotImplementedError
@@ -193,6 +204,22 @@ class DraftCap(Strategy):
         self, proposed: int, accepted: int, seconds: float, source: str = DRAFTER_SOURCE
     ) -> None:
         """Feedback after each round."""
+
+
+def _takes_source(method: Any) -> bool:
+    params = inspect.signature(method).parameters.values()
+    return any(p.name == "source" or p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _without_source(method: Any) -> Any:
+    """`method` called with the arguments it declares, the round's source dropped."""
+    positional = len(inspect.signature(method).parameters) - 1  # less self
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, source: str = DRAFTER_SOURCE) -> Any:
+        return method(self, *args[:positional])
+
+    return call
 
 
 # -- cache -------------------------------------------------------------------------------------

@@ -26,6 +26,24 @@ class TreeDrafter(Drafter):
 """
 
 
+# A draft cap written against the contract before rounds named their source.
+OLD_CAP = """
+from typing import Literal
+from dspark_flow.strategy import DraftCap, StrategyConfig
+
+class SteadyConfig(StrategyConfig):
+    kind: Literal["acme_steady"] = "acme_steady"
+
+class SteadyCap(DraftCap):
+    Config = SteadyConfig
+    rounds = []
+    def choose(self, drafter_max):
+        return 3
+    def observe(self, proposed, accepted, seconds):
+        SteadyCap.rounds.append((proposed, accepted))
+"""
+
+
 def test_builtins_cover_every_slot_through_entry_points():
     for slot in SLOTS:
         infos = registry.installed(slot)
@@ -97,3 +115,23 @@ def test_cli_list_shows_six_slots():
     slots = {line.split(".")[0] for line in out.stdout.splitlines() if line.strip()}
     assert slots == set(SLOTS)
     assert "dspark-flow 0.1.0" in out.stdout
+
+
+def test_a_third_party_cap_written_before_sources_still_runs(fake_plugin, embedded):
+    """`DraftCap.choose`/`observe` gained the round's source; a plugin's cap that declares the
+    old signatures is adapted, not failed mid-generation."""
+    from dspark_flow.pipeline import Pipeline
+
+    fake_plugin("acme-caps", "0.1.0", {"draft_cap.acme_steady": "acme_caps:SteadyCap"}, OLD_CAP)
+    cls = registry.load_kind("draft_cap", "acme_steady")
+    assert cls(cls.Config()).choose(7, "copy") == 3
+    stops = [{"kind": "max_tokens", "limit": 24}]
+    prompt = "Say it three times: one two three four, one two three four, one two three four."
+    spec = Pipeline.from_dict(
+        {"drafter": {"kind": "lookup"}, "draft_cap": {"kind": "acme_steady"}, "stop": stops},
+        target=embedded,
+    ).warm_up()
+    greedy = Pipeline.from_dict({"drafter": {"kind": "none"}, "stop": stops}, target=embedded)
+    got = spec.generate(prompt, max_new_tokens=24)
+    assert got.token_ids == greedy.warm_up().generate(prompt, max_new_tokens=24).token_ids
+    assert len(cls.rounds) == got.num_rounds and all(p <= 3 for p, _ in cls.rounds)
