@@ -140,9 +140,11 @@ def decode(
 
         # One round.
         t_round = time.perf_counter()
-        history = prompt_ids + generated
-        source = c.drafter.source(history) if drafting else DRAFTER_SOURCE
-        k = c.draft_cap.choose(c.drafter.max_draft, source) if drafting else 0
+        source, k = DRAFTER_SOURCE, 0
+        if drafting:  # plain decoding never needs the whole history
+            history = prompt_ids + generated
+            source = c.drafter.source(history)
+            k = c.draft_cap.choose(c.drafter.max_draft, source)
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
         draft = c.drafter.propose(history, k) if k > 0 else Draft()
