@@ -439,8 +439,13 @@ class CurveCap(DraftCap):
         step = OFFSET_STEP * self.curves.verify_cost(1, 0)
         return round(offset / step) * step if step > 0 else 0.0
 
-    def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
+    def _round_from(self, source: str) -> None:
+        """Plan and learn this round as `source`'s (every round as the drafter's, without
+        `plan_sources_apart`)."""
         self._source = source if self.config.plan_sources_apart else DRAFTER_SOURCE
+
+    def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
+        self._round_from(source)
         state = self.current
         k = state.last_k = self._choose(drafter_max)
         self.chosen[k] += 1
@@ -555,7 +560,7 @@ class CurveCap(DraftCap):
     def observe(
         self, proposed: int, accepted: int, seconds: float, source: str = DRAFTER_SOURCE
     ) -> None:
-        self._source = source if self.config.plan_sources_apart else DRAFTER_SOURCE
+        self._round_from(source)
         if self.adaptive and self.curves is not None:  # measured against what the curves charge
             charged = self.curves.round_cost(proposed, self.depth, self.drafter_pass)
             self.round_cost.update(seconds, charged)
