@@ -98,7 +98,7 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
     for j, tokens in drafts.items():
         if 1 <= j < len(out):
             proposed[j] = len(tokens)
-            accepted[j] = _matching_prefix(tokens, out[j:])
+            accepted[j] = matching_prefix(tokens, out[j:])
             source_at[j] = sources[j]
     return DraftTrace(
         prompt_len,
@@ -112,7 +112,8 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
     )
 
 
-def _matching_prefix(draft: list[int], truth: list[int]) -> int:
+def matching_prefix(draft: list[int], truth: list[int]) -> int:
+    """How many leading tokens of `draft` equal `truth`'s (the tokens a greedy verify accepts)."""
     n = 0
     for a, b in zip(draft, truth, strict=False):
         if a != b:
