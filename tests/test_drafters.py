@@ -13,6 +13,7 @@ import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core, se
 
 # isort: split
 import json
+import random
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,8 +37,7 @@ from dspark_flow.models.drafter_loading import (
 )
 from dspark_flow.models.taps import install_taps
 from dspark_flow.pipeline import Pipeline
-from dspark_flow.strategies.drafters import block_drafter
-from dspark_flow.strategies.drafters.lookup import find_copy
+from dspark_flow.strategies.drafters.lookup import CopyIndex, NgramSearch, find_copy
 from dspark_flow.strategies.samplers.greedy import GreedySampler
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler
 from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, Draft
@@ -893,7 +893,8 @@ def test_prompt_lookup_copies_runs_losslessly_and_keeps_the_context(
     # The loop asks for the round's source before the cap picks k, then proposes: one search of
     # the context a round, and the source named is the one the draft came from.
     searches, sources = [], []
-    monkeypatch.setattr(block_drafter, "find_copy", lambda *a: searches.append(1) or find_copy(*a))
+    search = CopyIndex._search
+    monkeypatch.setattr(CopyIndex, "_search", lambda *a: searches.append(1) or search(*a))
     named = drafter.source
     monkeypatch.setattr(drafter, "source", lambda h: sources.append(named(h)) or sources[-1])
     prompt = PROMPTS[0] * 3  # runs to copy from the start
@@ -914,6 +915,33 @@ def test_prompt_lookup_copies_runs_losslessly_and_keeps_the_context(
     assert want.end == drafter._state.end == len(history) - 1
     for got, ref_keys in zip(drafter._state.keys, want.keys, strict=True):
         np.testing.assert_allclose(np.array(got), np.array(ref_keys), atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_copy_index_answers_as_find_copy_does(seed):
+    """The incremental index (the loop's path) and `find_copy` (its reference twin) agree on
+    every round of a history that grows by random steps, is sometimes replaced by another, over
+    vocabularies small enough that every n-gram repeats, for random search settings."""
+    rng = random.Random(seed)
+    search = NgramSearch(
+        min_ngram=rng.randint(1, 3),
+        max_ngram=rng.randint(3, 5),
+        tokens_per_match=rng.choice([0.5, 1.0, 2.0]),
+        max_match_scan=rng.randint(1, 64),
+    )
+    index, vocab = CopyIndex(search), rng.choice([3, 6, 10])
+    history = [rng.randrange(vocab) for _ in range(rng.randint(0, 5))]
+    copies = 0
+    for _ in range(80):
+        k = rng.randint(0, 10)
+        want = find_copy(history, k, search)
+        assert index.find(history, k) == want, (history, k)
+        assert index.find(history, k) == want  # asked twice in a round (source, then propose)
+        copies += bool(want[0])
+        if rng.random() < 0.05:
+            history = history[: rng.randint(0, len(history))]
+        history = history + [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+    assert copies > 0
 
 
 @pytest.mark.parametrize(

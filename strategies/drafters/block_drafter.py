@@ -33,7 +33,7 @@ from dspark_flow.models.drafter_loading import (
     resolve_drafter,
 )
 from dspark_flow.models.taps import FeatureTaps, install_taps
-from dspark_flow.strategies.drafters.lookup import NgramSearch, find_copy
+from dspark_flow.strategies.drafters.lookup import CopyIndex, NgramSearch
 from dspark_flow.strategy import (
     COPY_SOURCE,
     DRAFTER_SOURCE,
@@ -153,8 +153,7 @@ class BlockDrafter(Drafter):
         self._state = ContextKV(0)
         self._pending: list[mx.array] = []
         self._rows = 0  # committed rows received since begin()
-        # (history, the run prompt_lookup copies after it): one search a round
-        self._copied: tuple[list[int], list[int]] | None = None
+        self._copies: CopyIndex | None = None  # prompt_lookup's index of the committed tokens
         self._ids: mx.array | None = None  # the draft vocabulary's token ids (None: all)
         # Set to a list to record each slot's scores (tests compare them with a reference).
         self.trace: list[Any] | None = None
@@ -246,7 +245,7 @@ class BlockDrafter(Drafter):
         self._sampler = sampler
         self._state = ContextKV(len(self.model.layers))
         self._pending, self._rows = [], 0
-        self._copied = None
+        self._copies = None
         self._taps.latest.clear()
 
     def after_forward(self, committed: int) -> None:
@@ -295,14 +294,15 @@ class BlockDrafter(Drafter):
 
     def _copy_run(self, history: list[int]) -> list[int]:
         """The run `prompt_lookup` would copy after `history` (empty: none, or the option is
-        off), searched once per round: `source` and `propose` ask about the same history."""
+        off); `source` and `propose` ask about the same history, and the index answers the
+        second from memory."""
         lookup = self.config.prompt_lookup
         if lookup is None:
             return []
-        if self._copied is None or self._copied[0] != history:
-            tokens, match = find_copy(history, self.max_draft or 0, lookup)
-            self._copied = (list(history), tokens if match >= lookup.min_match else [])
-        return self._copied[1]
+        if self._copies is None:
+            self._copies = CopyIndex(lookup)
+        tokens, match = self._copies.find(history, self.max_draft or 0)
+        return tokens if match >= lookup.min_match else []
 
     def propose_block(self, history: list[int], k: int) -> Draft:
         """The drafter's own pass over one block (what calibration times: a copied run costs

@@ -13,7 +13,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from dspark_flow.recipe.section import Section
-from dspark_flow.strategy import Draft, Drafter, StrategyConfig
+from dspark_flow.strategy import Draft, Drafter, Sampler, StrategyConfig
 
 
 class NgramSearch(Section):
@@ -48,9 +48,82 @@ class LookupDrafter(Drafter):
     def max_draft(self) -> int:
         return self.config.max_draft
 
+    _index: CopyIndex | None = None
+
+    def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
+        self._index = CopyIndex(self.config)
+
     def propose(self, history: list[int], k: int) -> Draft:
-        tokens, _ = find_copy(history, min(k, self.config.max_draft), self.config)
+        if self._index is None:
+            self._index = CopyIndex(self.config)
+        tokens, _ = self._index.find(history, min(k, self.config.max_draft))
         return Draft(tokens=tokens)
+
+
+class CopyIndex:
+    """`find_copy`'s answers for a history that grows between calls, without rescanning it.
+
+    For each n-gram length it keeps every n-gram's most recent start that some token follows, and
+    adds only the n-grams the new tokens complete, so a round costs a few dict lookups instead of
+    `find_copy`'s numpy scan (about 0.3 ms a round on a 2-core CPU host: a sizeable share of a
+    5 ms GPU round). A history that is not an extension of the last one starts a fresh index.
+    `find_copy` is the reference twin; tests check they agree.
+    """
+
+    def __init__(self, search: NgramSearch):
+        self.search = search
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seq: list[int] = []
+        self._starts: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(self.search.min_ngram, self.search.max_ngram + 1)
+        }
+        self._answer: tuple[int, int, tuple[list[int], int]] | None = None  # (len, k, answer)
+
+    def find(self, history: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens to copy after `history`, and how far back the match reaches (as
+        `find_copy`)."""
+        if not self._extends(history):
+            self._reset()
+        if self._answer is not None and self._answer[:2] == (len(history), k):
+            return self._answer[2]
+        self._grow(history)
+        answer = self._search(k)
+        self._answer = (len(history), k, answer)
+        return answer
+
+    def _extends(self, history: list[int]) -> bool:
+        known = len(self._seq)
+        return len(history) >= known and history[:known] == self._seq
+
+    def _grow(self, history: list[int]) -> None:
+        old, seq = len(self._seq), self._seq
+        seq.extend(history[old:])
+        # An n-gram at start s counts once a token follows it: s + n <= len(seq) - 1.
+        for n, starts in self._starts.items():
+            for s in range(max(0, old - n), len(seq) - n):
+                starts[tuple(seq[s : s + n])] = s
+
+    def _search(self, k: int) -> tuple[list[int], int]:
+        seq, search = self._seq, self.search
+        if k <= 0 or len(seq) < search.min_ngram + 1:
+            return [], 0
+        for n in range(min(search.max_ngram, len(seq) - 1), search.min_ngram - 1, -1):
+            start = self._starts[n].get(tuple(seq[-n:]))
+            if start is None:
+                continue
+            follow = start + n
+            match_len = 0
+            while (
+                match_len < search.max_match_scan
+                and follow - 1 - match_len >= 0
+                and seq[follow - 1 - match_len] == seq[-1 - match_len]
+            ):
+                match_len += 1
+            length = min(k, max(1, int(match_len * search.tokens_per_match)))
+            return seq[follow : follow + length], match_len
+        return [], 0
 
 
 def find_copy(history: list[int], k: int, search: NgramSearch) -> tuple[list[int], int]:
