@@ -5,10 +5,13 @@ plain decoding does. On the H200's sweep of 2026-12-02 the DSpark pipeline's one
 6.85 ms in the loop against 5.46 ms a token for greedy (docs/benchmarks.md §3). This decodes the
 same prompts with greedy and with the shipped DSpark drafter's pipeline forced to draft nothing,
 interleaved, and reports ms per token and the median of the paired ratios. `--eager-features`
-adds a third pipeline that evaluates the target features the drafter keeps for its next pass
-with each round's forward (so the forward's buffers are not held until then).
+adds a pipeline that evaluates the target features the drafter keeps for its next pass
+with each round's forward (so the forward's buffers are not held until then). `--parts` adds the
+shipped recipe's pipeline (`auto`) and splits each pipeline's rounds by strategy call: host time
+per round in each call (the verifier's forward only builds the graph; the sampler's verify waits
+for the device), and the rest of the loop.
 
-    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3
+    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts]
 """
 
 from __future__ import annotations
@@ -52,12 +55,59 @@ def eager_features(pipe: Any) -> Any:
     return pipe
 
 
+# The strategy calls a round makes, by slot (only those a pipeline's strategy has are timed).
+ROUND_CALLS = {
+    "drafter": ("source", "propose", "after_forward", "observe"),
+    "draft_cap": ("choose", "observe"),
+    "verifier": ("forward",),
+    "sampler": ("verify",),
+}
+
+
+def time_calls(pipe: Any, seconds: dict[str, float]) -> Any:
+    """Wrap the pipeline's per-round strategy calls so each adds its host time to `seconds`,
+    counting only calls after the prompt's prefill (from the first token's sampling on)."""
+    import time
+
+    decoding = [False]
+
+    def timed(label: str, call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                if decoding[0]:
+                    seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t
+
+        return run
+
+    def marking(call: Any, state: bool) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            decoding[0] = state
+            return call(*args, **kwargs)
+
+        return run
+
+    for slot, names in ROUND_CALLS.items():
+        strategy = getattr(pipe, slot)
+        for name in names:
+            if hasattr(strategy, name):
+                setattr(strategy, name, timed(f"{slot}.{name}", getattr(strategy, name)))
+    pipe.drafter.begin = marking(pipe.drafter.begin, False)  # before the prefill
+    pipe.sampler.sample = marking(pipe.sampler.sample, True)  # the first token, after it
+    return pipe
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=Path, required=True, help="JSONL of {category, turns}")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--eager-features", action="store_true")
+    p.add_argument(
+        "--parts", action="store_true", help="add `auto` and split rounds by strategy call"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
 
@@ -73,25 +123,35 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_lookup": True,
     }
 
-    def build(section: dict[str, Any]) -> Any:
+    def build(section: dict[str, Any], cap: dict[str, Any] | None = None) -> Any:
         recipe = {"drafter": section, "verifier": CLI_VERIFIER, "stop": stops}
         if section["kind"] != "none":
-            recipe["draft_cap"] = {"kind": "fixed", "k": 1}
+            recipe["draft_cap"] = cap or {"kind": "fixed", "k": 1}
         return Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
 
     pipes = {"greedy": build({"kind": "none"}), "dspark, k = 0": never_draft(build(drafter))}
     if args.eager_features:
         pipes["dspark, k = 0, eager features"] = eager_features(never_draft(build(drafter)))
+    if args.parts:
+        pipes["dspark, auto"] = build(drafter, {"kind": "auto"})
+    parts: dict[str, dict[str, float]] = {name: {} for name in pipes}
+    rounds: dict[str, int] = dict.fromkeys(pipes, 0)
+    decode_s: dict[str, float] = dict.fromkeys(pipes, 0.0)
     prompts = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines()]
     ms: dict[str, list[float]] = {name: [] for name in pipes}
     names = list(pipes)
     for trial in range(args.trials + 1):  # the first pass warms every shape up, untimed
+        if trial == 1 and args.parts:
+            for name, pipe in pipes.items():
+                time_calls(pipe, parts[name])
         for i, prompt in enumerate(prompts):
             shift = (trial + i) % len(names)
             for name in names[shift:] + names[:shift]:  # rotated: no mode always runs first
                 r = pipes[name].generate(prompt, max_new_tokens=args.max_tokens)
                 if trial > 0 and r.decode_tokens_per_sec > 0:
                     ms[name].append(1000.0 / r.decode_tokens_per_sec)
+                    rounds[name] += r.num_rounds
+                    decode_s[name] += (r.num_tokens - 1) / r.decode_tokens_per_sec
     report: dict[str, Any] = {}
     for name, values in ms.items():
         pairs = [b / a for a, b in zip(ms["greedy"], values, strict=True)]
@@ -103,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {report[name]['ms_per_token']} ms/token (median), "
             f"{report[name]['paired_ratio_to_greedy']} of greedy's (median of pairs)"
         )
+        if args.parts and rounds[name]:
+            # The first round's prefill and sampling are outside the decode time; the loop's
+            # share is what the timed calls leave of it (stops, text, bookkeeping).
+            per_round = {call: 1000.0 * s / rounds[name] for call, s in parts[name].items()}
+            per_round["round"] = 1000.0 * decode_s[name] / rounds[name]
+            per_round["rest of the loop"] = per_round["round"] - sum(
+                v for call, v in per_round.items() if call != "round"
+            )
+            report[name]["ms_per_round"] = {k: round(v, 4) for k, v in per_round.items()}
+            print("  " + ", ".join(f"{k} {v:.3f}" for k, v in per_round.items()))
     if args.out:
         args.out.write_text(json.dumps({"prompts": len(prompts), **report}, indent=1))
     return 0
