@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -387,6 +388,54 @@ def test_compile_ab_runs_four_arms_that_make_the_same_tokens(tmp_path):
     assert figures["same_tokens"] is True and figures["runs"] == 1
     assert set(figures["tok_s"]) == {"greedy off", "greedy on", "spec off", "spec on"}
     assert all(v > 0 for v in figures["tok_s"].values())
+
+
+def test_drafter_attention_times_both_attentions_cold_and_warm(tmp_path):
+    """benchmarks/drafter_attention.py: one pass per context length for each attention, first
+    seen (cold) and again (warm), every pass timed."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "drafter_attention.py"), "--steps", "3"]
+        + ["--start", "20", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["backend"] == "cpu"
+    for name in ("matmul", "fused"):
+        runs = figures["passes_ms"][name]
+        assert len(runs["cold"]) == len(runs["warm"]) == 3
+        assert all(ms > 0 for ms in runs["cold"] + runs["warm"])
+
+
+def test_off_rounds_parts_count_the_decoding_calls_only(embedded):
+    """off_rounds.py --parts: each strategy call's host time, counted from the first token on
+    (the prefill's forwards are not a round's), and nothing else changes the output."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from off_rounds import time_calls
+
+    from dspark_flow.pipeline import Pipeline
+
+    pipe = Pipeline.from_dict({}, target=embedded).warm_up()
+    want = pipe.generate("Name three colors.", max_new_tokens=6)
+    seconds: dict[str, float] = {}
+    forward = pipe.verifier.forward
+
+    def slow_prefill(model, tokens, cache):  # the prompt's chunk: many tokens, 0.3 s more
+        if len(tokens) > 1:
+            time.sleep(0.3)
+        return forward(model, tokens, cache)
+
+    pipe.verifier.forward = slow_prefill
+    time_calls(pipe, seconds)
+    got = pipe.generate("Name three colors.", max_new_tokens=6)
+    assert got.token_ids == want.token_ids
+    assert set(seconds) >= {"verifier.forward", "sampler.verify"}
+    assert all(v > 0 for v in seconds.values())
+    assert seconds["verifier.forward"] < 0.3  # the slow chunk was the prefill's, not counted
+    assert got.target_forwards > got.num_rounds  # the prefill's forward(s) came first
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

@@ -68,12 +68,35 @@ class ContextKV:
         return 0 if k is None else int(k.shape[2])
 
 
+def matmul_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None
+) -> mx.array:
+    """Attention as two matmuls and a softmax: `mx.fast.scaled_dot_product_attention`'s
+    arithmetic for heads-first q (1, H, n, d) and k/v (1, H_kv, S, d), query head h reading
+    key head h // (H / H_kv). Why: on CUDA MLX's fused attention for several queries plans each
+    new key length anew (a drafter's key length grows every round: ~100 ms a pass on an H200
+    until every length was seen once); these three operations have no per-shape plan."""
+    b, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    rep = heads // kv_heads
+    q = (q * mx.array(scale, q.dtype)).reshape(b, kv_heads, rep * n, d)
+    scores = (q @ k.swapaxes(-1, -2)).reshape(b, kv_heads, rep, n, -1)
+    if mask is not None and mask.dtype == mx.bool_:
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    elif mask is not None:  # additive
+        scores = scores + mask.astype(scores.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(b, kv_heads, rep * n, -1)
+    return (weights @ v).reshape(b, heads, n, d)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: BackboneConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.scale = d**-0.5
+        # Plain attribute (not a parameter): `DrafterBackbone.use_matmul_attention` sets it.
+        object.__setattr__(self, "matmul_attention", False)
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
@@ -127,6 +150,8 @@ class DraftAttention(nn.Module):
         if ctx_k is not None:
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
+        if self.matmul_attention:
+            return matmul_attention(q, k, v, self.scale, mask)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
@@ -290,6 +315,11 @@ class DrafterBackbone(nn.Module):
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_compiled_context_rows", max_context_rows)
         return len(compiled)
+
+    def use_matmul_attention(self, on: bool = True) -> None:
+        """Every layer's attention through `matmul_attention` instead of MLX's fused kernel."""
+        for layer in self.layers:
+            object.__setattr__(layer.self_attn, "matmul_attention", on)
 
     def compute_dtype(self) -> mx.Dtype:
         norm: mx.array = self.norm.weight

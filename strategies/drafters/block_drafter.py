@@ -23,6 +23,7 @@ import mlx.nn as nn
 from pydantic import Field, field_validator
 
 from dspark_flow.errors import ConfigError, DsparkFlowError
+from dspark_flow.models.backend import backend_name
 from dspark_flow.models.draft_vocab import SubsetHead, read_draft_vocab
 from dspark_flow.models.drafter_backbone import ContextKV, DrafterBackbone
 from dspark_flow.models.drafter_loading import (
@@ -98,6 +99,14 @@ class BlockDrafterConfig(StrategyConfig):
         description="run each drafter layer's parts around its attention through mx.compile: "
         "the same values with fewer host-side calls a round (speculative decoding 1-3% faster "
         "in A/Bs on an H200 and a CPU; dspark_flow/models/drafter_backbone.py)",
+    )
+
+    attention: Literal["auto", "fused", "matmul"] = Field(
+        "auto",
+        description="the drafter's attention: fused = MLX's scaled_dot_product_attention, "
+        "matmul = two matmuls and a softmax (no per-shape plan); auto = matmul on CUDA, where "
+        "the fused kernel plans every new key length anew (~100 ms a drafter pass on an H200 "
+        "until each context length was seen once), fused elsewhere",
     )
 
     @field_validator("quantize", mode="before")
@@ -209,6 +218,7 @@ class BlockDrafter(Drafter):
         self.spec = spec
         if self.config.compile_layers:
             self.model.compile_layers(max_context_rows=self.block_size + 1)
+        self.model.use_matmul_attention(self.matmul_attention)
         self._target = None  # bind (and restrict) the new weights at the next warm_up
 
     def warm_up(self, ctx: BuildContext) -> None:
@@ -228,6 +238,11 @@ class BlockDrafter(Drafter):
                 )
                 self.restrict(ctx.model)
             self._target = ctx.model
+
+    @property
+    def matmul_attention(self) -> bool:
+        choice = self.config.attention
+        return choice == "matmul" or (choice == "auto" and backend_name() == "cuda")
 
     # -- one generation ----------------------------------------------------------------------
 
