@@ -18,6 +18,19 @@ from dspark_flow.cli.main import main
 from dspark_flow.errors import DsparkFlowError
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(script: str, *args: str) -> None:
+    """Run benchmarks/<script> with `args` in a fresh process; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 RECIPES = REPO / "recipes"
 META_KEYS = {
     "machine",
@@ -356,14 +369,7 @@ def test_greedy_gap_loops_make_the_same_tokens_as_mlx_lm(tmp_path):
     `generate_step`: every loop must commit the same tokens (exit 0 and `same_tokens`), which
     also checks our loop against mlx-lm's greedy token for token."""
     out = tmp_path / "gap.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "greedy_gap.py"), "--trials", "1"]
-        + ["--max-tokens", "6", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_benchmark("greedy_gap.py", "--trials", "1", "--max-tokens", "6", "--json", str(out))
     figures = json.loads(out.read_text())
     assert figures["same_tokens"] is True
     assert len(figures["loops"]) == 7 and figures["loops"]["ours"]["x_ours"] == 1.0
@@ -376,14 +382,8 @@ def test_compile_ab_runs_four_arms_that_make_the_same_tokens(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["Name three colors."], "category": "chat"}) + "\n")
     out = tmp_path / "ab.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "compile_ab.py"), "--trials", "1"]
-        + ["--max-tokens", "8", "--prompts", str(prompts), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = ["--trials", "1", "--max-tokens", "8", "--prompts", str(prompts), "--json", str(out)]
+    run_benchmark("compile_ab.py", *args)
     figures = json.loads(out.read_text())
     assert figures["same_tokens"] is True and figures["runs"] == 1
     assert set(figures["tok_s"]) == {"greedy off", "greedy on", "spec off", "spec on"}
@@ -394,14 +394,7 @@ def test_drafter_attention_times_both_attentions_cold_and_warm(tmp_path):
     """benchmarks/drafter_attention.py: one pass per context length for each attention, first
     seen (cold) and again (warm), every pass timed."""
     out = tmp_path / "attention.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "drafter_attention.py"), "--steps", "3"]
-        + ["--start", "20", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_benchmark("drafter_attention.py", "--steps", "3", "--start", "20", "--out", str(out))
     figures = json.loads(out.read_text())
     assert figures["backend"] == "cpu"
     for name in ("matmul", "fused"):
