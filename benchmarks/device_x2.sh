@@ -33,7 +33,7 @@
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
-# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-synthetic` (issue 9 on a larger random-weight
+# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-synthetic` (issue 9 on a larger random-weight
 # target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
@@ -445,6 +445,15 @@ case "${1:-}" in
       variant $d $d-one '{kind: auto}'  # the default: one plan for every round
       bench_run sources-$d 0 /tmp/$d-apart.yaml /tmp/$d-one.yaml --trials "${TRIALS:-3}" ${BENCH_ARGS:-}
     done
+    ;;
+  solo-new)  # the shipped DSpark recipe on prompts the process has not decoded before (the
+    # first pass, timed) and again, with each drafter attention, beside greedy; needs no
+    # solo-first (the CLI verifier probes at the first warm-up); RECIPE (default dspark)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
+    timeout "$(upto 20)" python3 -P benchmarks/new_prompts.py --prompts /tmp/heldout.jsonl \
+      --recipe "recipes/${RECIPE:-dspark}.yaml" --out $O/new_prompts.json 2>&1 | tee $O/new_prompts.log
+    timeout "$(upto 10)" python3 -P benchmarks/drafter_attention.py --steps 40 \
+      --out $O/drafter_attention.json 2>&1 | tee $O/drafter_attention.log
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9

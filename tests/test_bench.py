@@ -403,6 +403,22 @@ def test_drafter_attention_times_both_attentions_cold_and_warm(tmp_path):
         assert all(ms > 0 for ms in runs["cold"] + runs["warm"])
 
 
+def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
+    """benchmarks/new_prompts.py: greedy and the recipe with each attention, a first and a
+    second pass, each output greedy's (exit 0 and `same_tokens`)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Name three colors."], "category": "chat"}) + "\n")
+    out = tmp_path / "new.json"
+    cap = "draft_cap={kind: fixed, k: 3}"  # the shipped `auto` would measure its curves first
+    args = ["--prompts", str(prompts), "--max-tokens", "8", "--set", cap, "--out", str(out)]
+    run_benchmark("new_prompts.py", *args)
+    figures = json.loads(out.read_text())
+    assert figures["same_tokens"] is True and figures["prompts"] == 1
+    for label in ("first pass", "second pass"):
+        assert set(figures[label]) == {"greedy", "fused", "matmul"}
+        assert all(row["decode_seconds"] > 0 for row in figures[label].values())
+
+
 def test_off_rounds_parts_count_the_decoding_calls_only(embedded):
     """off_rounds.py --parts: each strategy call's host time, counted from the first token on
     (the prefill's forwards are not a round's), and nothing else changes the output."""
