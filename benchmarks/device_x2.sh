@@ -452,8 +452,10 @@ case "${1:-}" in
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     timeout "$(upto 20)" python3 -P benchmarks/new_prompts.py --prompts /tmp/heldout.jsonl \
       --recipe "recipes/${RECIPE:-dspark}.yaml" --out $O/new_prompts.json 2>&1 | tee $O/new_prompts.log
-    timeout "$(upto 10)" python3 -P benchmarks/drafter_attention.py --steps 40 \
-      --out $O/drafter_attention.json 2>&1 | tee $O/drafter_attention.log
+    for d in dspark dflash; do
+      timeout "$(upto 10)" python3 -P benchmarks/drafter_attention.py --drafter $d --steps 40 \
+        --out $O/drafter_attention-$d.json 2>&1 | tee $O/drafter_attention-$d.log
+    done
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9

@@ -1,4 +1,4 @@
-"""The shipped DSpark drafter's pass at growing context lengths, with MLX's fused attention and
+"""A shipped drafter's pass (DSpark by default) at growing context lengths, with MLX's fused attention and
 with `matmul_attention` (the drafter option `attention`).
 
 On CUDA MLX's fused attention for several queries plans each new key length anew, and a
@@ -7,7 +7,7 @@ forward, Markov head; evaluated) per length: `cold` is each variant's first pass
 `warm` the same lengths again. Random target features stand in for the target's (the cost does
 not depend on their values), so no target forward and no verifier probe runs.
 
-    python benchmarks/drafter_attention.py --steps 40 --out drafter_attention.json
+    python benchmarks/drafter_attention.py [--drafter dflash] --steps 40 --out drafter_attention.json
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def passes(drafter: Any, start: int, steps: int, seed: int) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", choices=("dspark", "dflash"), default="dspark")
     p.add_argument("--start", type=int, default=64, help="context rows before the first pass")
     p.add_argument("--steps", type=int, default=40, help="passes, each at a longer context")
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
@@ -64,15 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_target("builtin:smollm2-135m")
     recipe = {
         "drafter": {
-            "kind": "dspark",
-            "checkpoint": "builtin:smollm2-135m-dspark",
+            "kind": args.drafter,
+            "checkpoint": f"builtin:smollm2-135m-{args.drafter}",
             "draft_vocab": 8192,
         },
         "draft_cap": {"kind": "fixed", "k": 7},
     }
     drafter = Pipeline.from_dict(recipe, target=(model, tok)).warm_up().drafter
     passes(drafter, 8, 4, seed=0)  # compiles and first kernels, at lengths the runs never reach
-    report: dict[str, Any] = {"backend": backend_name(), "start": args.start, "steps": args.steps}
+    report: dict[str, Any] = {
+        "backend": backend_name(),
+        "drafter": args.drafter,
+        "start": args.start,
+        "steps": args.steps,
+    }
     runs = {}
     # matmul first: it plans nothing, so it cannot warm the fused kernel's plans for lengths
     for name, matmul in (("matmul", True), ("fused", False)):
