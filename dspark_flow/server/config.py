@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_flow.pipeline import Pipeline
-from dspark_flow.recipe.load import load_recipe, parse_override, parse_yaml, read_recipe_text
+from dspark_flow.recipe.load import loads_recipe, parse_override, parse_yaml, read_recipe_text
 from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
 
 MiB = 2**20
@@ -58,10 +58,13 @@ def build_pipeline(
     max_active_bytes: int | None = None,
     target: object = None,
 ) -> Pipeline:
-    data, _ = parse_yaml(read_recipe_text(recipe_path), str(recipe_path))
+    # One read of the file: the cache section looked at here is the one validated below.
+    text = read_recipe_text(recipe_path)
+    data, _ = parse_yaml(text, str(recipe_path))
     recipe_cache = data.get("cache") if isinstance(data, dict) else None
-    recipe = load_recipe(
-        recipe_path,
+    recipe = loads_recipe(
+        text,
+        str(recipe_path),
         server_overrides(overrides or [], cache_bytes, max_active_bytes, recipe_cache),
         TOOL_DEFAULTS,
     )
