@@ -419,32 +419,53 @@ def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
         assert all(row["decode_seconds"] > 0 for row in figures[label].values())
 
 
-def test_off_rounds_parts_count_the_decoding_calls_only(embedded):
+def test_off_rounds_parts_count_the_decoding_calls_only(embedded, monkeypatch):
     """off_rounds.py --parts: each strategy call's host time, counted from the first token on
-    (the prefill's forwards are not a round's), and nothing else changes the output."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from off_rounds import time_calls
-
+    (the prefill's forwards are not a round's), the loop's async_eval of a lazy draft, and
+    nothing else changes the output."""
+    from dspark_flow.engine import decode
     from dspark_flow.pipeline import Pipeline
 
-    pipe = Pipeline.from_dict({}, target=embedded).warm_up()
-    want = pipe.generate("Name three colors.", max_new_tokens=6)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import off_rounds
+    from off_rounds import LOOP_ASYNC_EVAL, time_calls
+
+    # time_calls times the loop's mx.async_eval through the decode module: undone afterwards
+    monkeypatch.setattr(decode, "mx", decode.mx)
+    monkeypatch.setattr(decode, "_timed_mx", None, raising=False)
+    monkeypatch.setattr(off_rounds, "_DECODING", [None])
+
+    greedy = Pipeline.from_dict({}, target=embedded).warm_up()
+    want = greedy.generate("Name three colors.", max_new_tokens=6)
     seconds: dict[str, float] = {}
-    forward = pipe.verifier.forward
+    forward = greedy.verifier.forward
 
     def slow_prefill(model, tokens, cache):  # the prompt's chunk: many tokens, 0.3 s more
         if len(tokens) > 1:
             time.sleep(0.3)
         return forward(model, tokens, cache)
 
-    pipe.verifier.forward = slow_prefill
-    time_calls(pipe, seconds)
-    got = pipe.generate("Name three colors.", max_new_tokens=6)
+    greedy.verifier.forward = slow_prefill
+    time_calls(greedy, seconds)
+    got = greedy.generate("Name three colors.", max_new_tokens=6)
     assert got.token_ids == want.token_ids
     assert set(seconds) >= {"verifier.forward", "sampler.verify"}
+    assert LOOP_ASYNC_EVAL not in seconds  # plain decoding drafts nothing lazily
     assert all(v > 0 for v in seconds.values())
     assert seconds["verifier.forward"] < 0.3  # the slow chunk was the prefill's, not counted
-    assert got.target_forwards > got.num_rounds  # the prefill's forward(s) came first
+
+    recipe = {
+        "drafter": {"kind": "dspark", "checkpoint": "builtin:smollm2-135m-dspark"},
+        "draft_cap": {"kind": "fixed", "k": 3},
+    }
+    spec = Pipeline.from_dict(recipe, target=embedded).warm_up()
+    drafted: dict[str, float] = {}
+    time_calls(spec, drafted)
+    before = dict(seconds)
+    got = spec.generate("Name three colors.", max_new_tokens=6)
+    assert got.token_ids == want.token_ids
+    assert drafted[LOOP_ASYNC_EVAL] > 0 and drafted["drafter.propose"] > 0
+    assert seconds == before  # each pipeline's calls go to its own figures
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
