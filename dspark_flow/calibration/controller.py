@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -152,7 +152,6 @@ class SourceState:
     single_rounds: int = 0  # rounds planned at one token since the last two-token probe
     planned_k: int = 0  # the last k chosen from the plan (not a probe): what a margin keeps
     last_k: int = 0
-    chosen: Counter[int] = field(default_factory=Counter)  # k per round, for reports
 
 
 class CurveCapConfig(StrategyConfig):
@@ -449,7 +448,6 @@ class CurveCap(DraftCap):
         state = self.current
         k = state.last_k = self._choose(drafter_max)
         self.chosen[k] += 1
-        state.chosen[k] += 1
         return k
 
     def _choose(self, drafter_max: int | None) -> int:
