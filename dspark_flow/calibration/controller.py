@@ -384,21 +384,10 @@ class CurveCap(DraftCap):
         keep = planned if margin > 0 and planned > 0 else None
         floor = getattr(self.config, "min_gain", 1.0)
         offset, drafter_pass = self.cost_offset(), self.drafter_pass
-        if (lengths := self.lengths) is not None:
-            survival = lengths.survival()
-            return best_plan(
-                self.curves,
-                p,
-                self.depth,
-                limit,
-                p_first,
-                survival,
-                keep,
-                margin,
-                floor,
-                offset,
-                drafter_pass,
-            )
+        survival = lengths.survival() if (lengths := self.lengths) is not None else None
+        args = (self.curves, p, self.depth, limit, p_first, survival, keep, margin, floor, offset)
+        if survival is not None:  # the drafter's lengths move every round: nothing to reuse
+            return best_plan(*args, drafter_pass=drafter_pass)
         # Rounds repeat the same situation often; the table costs ~k interpolations.
         key = (
             round(p_first, 3),
@@ -412,19 +401,7 @@ class CurveCap(DraftCap):
         if (found := self._plans.get(key)) is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            found = self._plans[key] = best_plan(
-                self.curves,
-                p,
-                self.depth,
-                limit,
-                p_first,
-                None,
-                keep,
-                margin,
-                floor,
-                offset,
-                drafter_pass,
-            )
+            found = self._plans[key] = best_plan(*args, drafter_pass=drafter_pass)
         return found
 
     def cost_offset(self) -> float:
