@@ -502,11 +502,19 @@ def test_auto_learns_the_second_position_only_where_that_is_cheap():
 # -- replaying caps on recorded drafts -----------------------------------------------------------
 
 
-def test_replay_charges_each_round_what_it_drafted():
-    from dspark_flow.calibration.simulate import DraftTrace, replay
+def _replay_at_k3(trace):  # noqa: ANN001, ANN202
+    """`trace` replayed by a fixed cap at k = 3, block 4, on curves where a verify of K rows
+    costs 1 + 0.5 (K - 1) and the drafter's pass 0.25."""
+    from dspark_flow.calibration.simulate import replay
     from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
 
     curves = synthetic(lambda K: 1.0 + 0.5 * (K - 1), block=4, drafter=0.25)
+    return replay(FixedCap(FixedCapConfig(k=3)), trace, curves, block=4)
+
+
+def test_replay_charges_each_round_what_it_drafted():
+    from dspark_flow.calibration.simulate import DraftTrace
+
     # 8 tokens: the first from the prefill; at j=1 a draft of 4 matches 2 tokens, at j=4 the
     # drafter proposes only 1 (lookup without a longer match) and it matches.
     trace = DraftTrace(
@@ -517,7 +525,7 @@ def test_replay_charges_each_round_what_it_drafted():
         proposed=[0, 4, 4, 4, 1, 4, 4, 4],
         accepted=[0, 2, 0, 0, 1, 3, 0, 0],
     )
-    got = replay(FixedCap(FixedCapConfig(k=3)), trace, curves, block=4)
+    got = _replay_at_k3(trace)
     # j=1: 3 drafted, 2 accepted -> j=4: 1 proposed, 1 accepted -> j=6: k=min(3, 8-6-1)=1,
     # 0 accepted -> j=7: k=0 (the last token), plain.
     assert got.accept_lengths == [3, 2, 1, 1]
@@ -528,10 +536,8 @@ def test_replay_charges_each_round_what_it_drafted():
 
 
 def test_replay_charges_a_copied_round_no_drafter_pass():
-    from dspark_flow.calibration.simulate import DraftTrace, replay
-    from dspark_flow.strategies.draft_caps.fixed import FixedCap, FixedCapConfig
+    from dspark_flow.calibration.simulate import DraftTrace
 
-    curves = synthetic(lambda K: 1.0 + 0.5 * (K - 1), block=4, drafter=0.25)
     trace = DraftTrace(
         prompt_len=10,
         num_tokens=6,
@@ -541,13 +547,13 @@ def test_replay_charges_a_copied_round_no_drafter_pass():
         accepted=[0, 2, 0, 0, 1, 0],
         sources=["", COPY_SOURCE, "", "", DRAFTER_SOURCE, ""],
     )
-    got = replay(FixedCap(FixedCapConfig(k=3)), trace, curves, block=4)
+    got = _replay_at_k3(trace)
     # j = 1, a copy: 3 drafted, 2 accepted, verify of 4 rows only; j = 4, the drafter's pass:
     # 3 drafted, 1 accepted, verify and pass; j = 6 is the end.
     assert got.accept_lengths == [3, 2]
     assert got.seconds == pytest.approx(2.5 + (2.5 + 0.25))
     trace.sources = None  # an older trace: every round ran the drafter
-    assert replay(FixedCap(FixedCapConfig(k=3)), trace, curves, 4).seconds == pytest.approx(5.5)
+    assert _replay_at_k3(trace).seconds == pytest.approx(5.5)
 
 
 def _draft_caps_script():  # noqa: ANN202
