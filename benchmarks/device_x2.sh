@@ -33,7 +33,7 @@
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
-# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-synthetic` (issue 9 on a larger random-weight
+# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-library` (the same for the library's verifier: its attention), `solo-synthetic` (issue 9 on a larger random-weight
 # target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
@@ -447,15 +447,28 @@ case "${1:-}" in
     done
     ;;
   solo-new)  # the shipped DSpark recipe on prompts the process has not decoded before (the
-    # first pass, timed) and again, with each drafter attention, beside greedy; needs no
-    # solo-first (the CLI verifier probes at the first warm-up); RECIPE (default dspark)
+    # first pass, timed) and again, with each drafter attention (VALUES, default fused,matmul),
+    # beside greedy, PASSES times (default 2); needs no solo-first (the CLI verifier probes at
+    # the first warm-up); RECIPE (default dspark); DRAFTER_ATTENTION=0 skips the per-pass timings
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     timeout "$(upto 20)" python3 -P benchmarks/new_prompts.py --prompts /tmp/heldout.jsonl \
-      --recipe "recipes/${RECIPE:-dspark}.yaml" --out $O/new_prompts.json 2>&1 | tee $O/new_prompts.log
-    for d in dspark dflash; do
-      timeout "$(upto 10)" python3 -P benchmarks/drafter_attention.py --drafter $d --steps 40 \
-        --out $O/drafter_attention-$d.json 2>&1 | tee $O/drafter_attention-$d.log
-    done
+      --recipe "recipes/${RECIPE:-dspark}.yaml" --values "${VALUES:-fused,matmul}" \
+      --passes "${PASSES:-2}" --out $O/new_prompts.json 2>&1 | tee $O/new_prompts.log
+    if [ "${DRAFTER_ATTENTION:-1}" = 1 ]; then
+      for d in dspark dflash; do
+        timeout "$(upto 10)" python3 -P benchmarks/drafter_attention.py --drafter $d --steps 40 \
+          --out $O/drafter_attention-$d.json 2>&1 | tee $O/drafter_attention-$d.log
+      done
+    fi
+    ;;
+  solo-library)  # `dflash_generate`'s stack (the library's defaults: the `reference` verifier,
+    # the full block, no prompt lookup) on new prompts, then again, with the verifier's
+    # attention fused and matmul, beside greedy (library defaults too); PASSES (default 2)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
+    timeout "$(upto 20)" python3 -P benchmarks/new_prompts.py --prompts /tmp/heldout.jsonl \
+      --library --recipe recipes/dflash.yaml --set draft_cap.kind=full_block \
+      --set drafter.prompt_lookup=false --vary verifier.attention --passes "${PASSES:-2}" \
+      --out $O/new_library.json 2>&1 | tee $O/new_library.log
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9

@@ -4,11 +4,16 @@ Every other benchmark here decodes its prompts once, untimed, before it times th
 paid only at a context length not seen before never shows (on CUDA, MLX's fused attention
 plans each new key length: docs/benchmarks.md §6 "The drafter's attention"). This one times
 that first pass too. Greedy (the quick-start recipe) and a speculative recipe (by default
-recipes/dspark.yaml) once per drafter `attention` choice, all with the CLI's defaults, decode
-each prompt in turn, in an order rotated per prompt; then a second pass does it again. Every
-output must equal greedy's (exit 1 otherwise).
+recipes/dspark.yaml) once per value of one setting (`--vary`, by default the drafter's
+`attention`), all with the CLI's defaults (`--library`: the library's, whose verifier is
+`reference`), decode each prompt in turn, in an order rotated per prompt; then later passes do
+it again. Every output must equal greedy's (exit 1 otherwise). Speedups are reported over all
+prompts and per category (ratios of summed decode times).
 
     python benchmarks/new_prompts.py --prompts held.jsonl --out new_prompts.json
+    python benchmarks/new_prompts.py --prompts held.jsonl --library \
+        --recipe recipes/dflash.yaml --set draft_cap.kind=full_block \
+        --vary verifier.attention          # `dflash_generate`'s verifies, each attention
 """
 
 from __future__ import annotations
@@ -24,6 +29,22 @@ import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
 REPO = Path(__file__).resolve().parent.parent
 
 
+PASS_LABELS = ("first pass", "second pass")
+
+
+def _ratio(greedy: list[float], values: list[float]) -> float | None:
+    return round(sum(greedy) / sum(values), 3) if sum(values) > 0 else None
+
+
+def _by_category(greedy: list[float], values: list[float], categories: list[str]) -> dict:
+    """Each category's speedup: its prompts' greedy seconds over their seconds here."""
+    return {
+        c: _ratio(*([x for x, c2 in zip(v, categories, strict=True) if c2 == c]
+                    for v in (greedy, values)))
+        for c in sorted(set(categories))
+    }  # fmt: skip
+
+
 def _median_ratio(greedy: list[float], values: list[float]) -> float | None:
     ratios = [g / v for g, v in zip(greedy, values, strict=True) if v > 0]
     return round(statistics.median(ratios), 3) if ratios else None
@@ -33,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=Path, required=True, help="JSONL of {category, turns}")
     p.add_argument("--recipe", type=Path, default=REPO / "recipes" / "dspark.yaml")
-    p.add_argument("--attentions", default="fused,matmul", help="drafter attention choices")
+    p.add_argument("--vary", default="drafter.attention", help="the recipe setting to vary")
+    p.add_argument("--values", default="fused,matmul", help="its values, comma-separated")
+    p.add_argument("--library", action="store_true",
+                   help="the library's defaults instead of the CLI's (verifier `reference`)")  # fmt: skip
+    p.add_argument("--passes", type=int, default=2, help="passes over the prompts (first: new)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the speculative recipe (as `dspark-flow run --set`)")  # fmt: skip
@@ -45,21 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
     model, tok = load_target("builtin:smollm2-135m")
+    defaults = None if args.library else TOOL_DEFAULTS
     pipes: dict[str, Any] = {
         "greedy": Pipeline.from_yaml(
-            REPO / "recipes" / "quickstart.yaml", target=(model, tok), defaults=TOOL_DEFAULTS
+            REPO / "recipes" / "quickstart.yaml", target=(model, tok), defaults=defaults
         ).warm_up()
     }
-    for attention in args.attentions.split(","):
-        overrides = [*args.overrides, f"drafter.attention={attention}"]
-        pipes[attention] = Pipeline.from_yaml(
-            args.recipe, overrides, target=(model, tok), defaults=TOOL_DEFAULTS
+    for value in args.values.split(","):
+        overrides = [*args.overrides, f"{args.vary}={value}"]
+        pipes[value] = Pipeline.from_yaml(
+            args.recipe, overrides, target=(model, tok), defaults=defaults
         ).warm_up()
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     names = list(pipes)
-    report: dict[str, Any] = {"prompts": len(rows), "max_tokens": args.max_tokens}
+    report: dict[str, Any] = {
+        "prompts": len(rows), "max_tokens": args.max_tokens, "vary": args.vary,
+        "library": args.library, "recipe": str(args.recipe), "set": args.overrides,
+    }  # fmt: skip
     same = True
-    for label in ("first pass", "second pass"):
+    for n in range(args.passes):
+        label = PASS_LABELS[n] if n < len(PASS_LABELS) else f"pass {n + 1}"
         seconds: dict[str, list[float]] = {name: [] for name in names}  # decode time a prompt
         for i, row in enumerate(rows):
             tokens = {}
@@ -71,15 +101,23 @@ def main(argv: list[str] | None = None) -> int:
             same &= all(t == tokens["greedy"] for t in tokens.values())
         # The outputs are greedy's, so each prompt's tokens are the same in every pipeline:
         # the ratio of decode times is the speedup.
+        categories = [row.get("category", "all") for row in rows]
         report[label] = {
             name: {
                 "decode_seconds": round(sum(values), 3),
-                "speedup": round(sum(seconds["greedy"]) / sum(values), 3) if sum(values) else None,
+                "speedup": _ratio(seconds["greedy"], values),
                 "speedup_median_per_prompt": _median_ratio(seconds["greedy"], values),
+                "speedup_by_category": _by_category(seconds["greedy"], values, categories),
+                "seconds": [round(x, 4) for x in values],
             }
             for name, values in seconds.items()
         }
-        print(label, json.dumps(report[label]))
+        report[label]["greedy"]["categories"] = categories
+        brief = {
+            name: {k: v for k, v in row.items() if k not in ("seconds", "categories")}
+            for name, row in report[label].items()
+        }
+        print(label, json.dumps(brief))
     report["same_tokens"] = same
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

@@ -405,18 +405,37 @@ def test_drafter_attention_times_both_attentions_cold_and_warm(tmp_path):
 
 def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
     """benchmarks/new_prompts.py: greedy and the recipe with each attention, a first and a
-    second pass, each output greedy's (exit 0 and `same_tokens`)."""
+    second pass, each output greedy's (exit 0 and `same_tokens`), figures per category."""
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"turns": ["Name three colors."], "category": "chat"}) + "\n")
+    rows = [("Name three colors.", "chat"), ("What is 3 + 4?", "math")]
+    prompts.write_text("".join(json.dumps({"turns": [t], "category": c}) + "\n" for t, c in rows))
     out = tmp_path / "new.json"
     cap = "draft_cap={kind: fixed, k: 3}"  # the shipped `auto` would measure its curves first
     args = ["--prompts", str(prompts), "--max-tokens", "8", "--set", cap, "--out", str(out)]
     run_benchmark("new_prompts.py", *args)
     figures = json.loads(out.read_text())
-    assert figures["same_tokens"] is True and figures["prompts"] == 1
+    assert figures["same_tokens"] is True and figures["prompts"] == 2
     for label in ("first pass", "second pass"):
         assert set(figures[label]) == {"greedy", "fused", "matmul"}
         assert all(row["decode_seconds"] > 0 for row in figures[label].values())
+        assert set(figures[label]["matmul"]["speedup_by_category"]) == {"chat", "math"}
+        assert figures[label]["greedy"]["speedup_by_category"] == {"chat": 1.0, "math": 1.0}
+
+
+def test_new_prompts_varies_the_library_verifiers_attention(tmp_path):
+    """--library --vary verifier.attention: `dflash_generate`'s stack (full block, reference
+    verifier) with each attention, three passes, each output greedy's."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Count to five."], "category": "chat"}) + "\n")
+    out = tmp_path / "new.json"
+    args = ["--prompts", str(prompts), "--max-tokens", "8", "--library", "--passes", "3",
+            "--recipe", str(REPO / "recipes" / "dflash.yaml"), "--set", "draft_cap.kind=full_block",
+            "--vary", "verifier.attention", "--out", str(out)]  # fmt: skip
+    run_benchmark("new_prompts.py", *args)
+    figures = json.loads(out.read_text())
+    assert figures["same_tokens"] is True and figures["library"] is True
+    assert set(figures) >= {"first pass", "second pass", "pass 3"}
+    assert set(figures["pass 3"]) == {"greedy", "fused", "matmul"}
 
 
 def test_off_rounds_parts_count_the_decoding_calls_only(embedded, monkeypatch):
