@@ -1,27 +1,14 @@
 """verifier `reference`: the target's own forward pass in plain MLX (the twin every kernel is
-checked against), optionally with its decoder layers compiled for verify-sized forwards.
-
-On CUDA (option `attention: auto`) the target's attention for several queries runs as plain
-MLX matmuls (`dspark_flow/models/attention.py`): MLX's fused kernel plans every new key length
-there, and a verify's keys grow every round."""
+checked against), optionally with its decoder layers compiled for verify-sized forwards."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
-from pydantic import Field
 
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
-from dspark_flow.models.attention import (
-    attention_hook,
-    matmul_verify_attention,
-    unwrap_attention,
-    wrap_attention,
-)
-from dspark_flow.models.backend import backend_name
 from dspark_flow.models.compiled_layers import CompiledLayers, compiled_scope
 from dspark_flow.models.fused_projections import FusedProjections
 from dspark_flow.strategies.verifiers.layer_options import LayerOptions
@@ -30,17 +17,6 @@ from dspark_flow.strategy import BuildContext, Verifier
 
 class ReferenceConfig(LayerOptions):
     kind: Literal["reference"] = "reference"
-    attention: Literal["auto", "fused", "matmul"] = Field(
-        "auto",
-        description="the target's attention for 2 or more queries (verifies, short prefills): "
-        "fused = MLX's scaled_dot_product_attention, matmul = two matmuls and a softmax in "
-        "float32 (no per-shape plan); auto = matmul on CUDA, where the fused kernel plans every "
-        "new key length anew (37-75 ms a verify on an H200), fused elsewhere",
-    )
-
-    @property
-    def matmul_attention(self) -> bool:
-        return self.attention == "matmul" or (self.attention == "auto" and backend_name() == "cuda")
 
 
 class ReferenceVerifier(Verifier):
@@ -51,31 +27,18 @@ class ReferenceVerifier(Verifier):
         super().__init__(config)
         self.compiled: CompiledLayers | None = None
         self._model_id: int | None = None
-        self._hook = matmul_verify_attention if self.config.matmul_attention else None
 
     def warm_up(self, ctx: BuildContext) -> None:
-        if self._model_id == id(ctx.model):
+        if not self.config.compile_layers or self._model_id == id(ctx.model):
             return
-        self.restore()  # warmed for another model before
-        if self._hook is not None:
-            wrap_attention(ctx.model, id(self))
-            # one-call APIs never restore their pipeline: drop the claim when it is collected
-            weakref.finalize(self, unwrap_attention, id(self))
-        if self.config.compile_layers:
-            fused = FusedProjections.install(ctx.model) if self.config.fusing else None
-            self.compiled = CompiledLayers(MAX_ROWS, fused)
-            self.compiled.install(ctx.model)
-        self._model_id = id(ctx.model)
-
-    def restore(self) -> None:
-        """Give the model its own layers and attention function back."""
-        if self.compiled is not None:
+        if self.compiled is not None:  # warmed for another model before
             self.compiled.restore()
-            self.compiled = None
-        unwrap_attention(id(self))
-        self._model_id = None
+        fused = FusedProjections.install(ctx.model) if self.config.fusing else None
+        self.compiled = CompiledLayers(MAX_ROWS, fused)
+        self.compiled.install(ctx.model)
+        self._model_id = id(ctx.model)
 
     def forward(self, model: nn.Module, tokens: list[int] | mx.array, cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
-        with compiled_scope(self.compiled), attention_hook(self._hook):
+        with compiled_scope(self.compiled):
             return model(ids, cache=cache)[0]
