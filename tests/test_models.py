@@ -371,6 +371,27 @@ def test_cache_root_precedence(tmp_path, monkeypatch):
     assert embedded.cache_root() == tmp_path / "home"
 
 
+def test_loading_keeps_mlx_compiled_kernels_under_the_home(tmp_path, monkeypatch):
+    """MLX's CUDA kernel cache goes under dspark-flow's home (keyed by MLX version and host)
+    before any model loads, even one that then fails; a directory the user chose is kept."""
+    import platform
+    from importlib.metadata import version
+
+    from dspark_flow.models import backend
+
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(backend.PTX_CACHE_ENV, "")  # restored (unset) after the test
+    monkeypatch.delenv(backend.PTX_CACHE_ENV)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError):
+        load_model_dir(tmp_path / "empty")
+    want = tmp_path / "home" / "mlx-kernels" / version("mlx") / platform.node()
+    assert os.environ[backend.PTX_CACHE_ENV] == str(want)
+    monkeypatch.setenv(backend.PTX_CACHE_ENV, str(tmp_path / "mine"))
+    assert backend.keep_compiled_kernels() is None
+    assert os.environ[backend.PTX_CACHE_ENV] == str(tmp_path / "mine")
+
+
 def test_unknown_builtin():
     with pytest.raises(ModelError, match="smollm2-135m"):
         resolve_model_path("builtin:nope")

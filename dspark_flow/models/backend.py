@@ -140,6 +140,34 @@ def release_thread_streams() -> None:
         clear()
 
 
+PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+
+
+def keep_compiled_kernels() -> str | None:
+    """Point MLX's on-disk cache of CUDA kernels under dspark-flow's home unless the user
+    set one ($MLX_PTX_CACHE_DIR); returns the directory chosen, or None.
+
+    Why: MLX compiles some kernels with NVRTC on first use (fused elementwise kernels of
+    `mx.compile`, gathers: 24 s before a drafter's first pass on a fresh H200, 2026-12-02) and
+    caches them under the system temp directory, which a reboot or a new container empties.
+    MLX reads the variable at its first compilation, so this runs before any model loads. Keyed
+    by MLX version and host name: a home shared between machines may see other GPUs. No
+    effect off CUDA; MLX creates the directory, and runs uncached if it cannot."""
+    if os.environ.get(PTX_CACHE_ENV):
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    from dspark_flow.models.embedded import cache_root
+
+    try:
+        mlx_version = version("mlx")
+    except PackageNotFoundError:
+        mlx_version = "unknown"
+    path = cache_root() / "mlx-kernels" / mlx_version / (platform.node() or "host")
+    os.environ[PTX_CACHE_ENV] = str(path)
+    return str(path)
+
+
 def backend_name() -> str:
     """'cpu', 'metal' or 'cuda': where mlx runs by default."""
     import mlx.core as mx

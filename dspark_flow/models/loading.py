@@ -16,6 +16,7 @@ from dspark_flow.errors import ModelError
 from dspark_flow.models.backend import (
     apply_weight_format,
     choose_weight_format,
+    keep_compiled_kernels,
     prefer_openblas,
     warn_if_slow_blas,
 )
@@ -150,6 +151,7 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
     """Load (model, TokenizerWrapper) from an mlx-lm directory, in weight format `weights`."""
     from mlx_lm.utils import load_model, load_tokenizer
 
+    keep_compiled_kernels()
     path = Path(path)
     if "model_type" not in _model_config(path):
         raise ModelError(f"{path / 'config.json'} names no model_type: mlx-lm cannot build it")
@@ -177,4 +179,5 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
 
 def load(ref: str, weights: str = "auto", revision: str | None = None) -> tuple[Any, Any]:
     """resolve_model_path + load_model_dir."""
+    keep_compiled_kernels()  # before the embedded model's conversion runs anything on the GPU
     return load_model_dir(resolve_model_path(ref, revision), weights)
