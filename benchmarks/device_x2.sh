@@ -33,7 +33,7 @@
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
-# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-synthetic` (issue 9 on a larger random-weight
+# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-library` (the same for the library's verifier: its attention), `solo-synthetic` (issue 9 on a larger random-weight
 # target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
@@ -460,6 +460,15 @@ case "${1:-}" in
           --out $O/drafter_attention-$d.json 2>&1 | tee $O/drafter_attention-$d.log
       done
     fi
+    ;;
+  solo-library)  # `dflash_generate`'s stack (the library's defaults: the `reference` verifier,
+    # the full block, no prompt lookup) on new prompts, then again, with the verifier's
+    # attention fused and matmul, beside greedy (library defaults too); PASSES (default 2)
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
+    timeout "$(upto 20)" python3 -P benchmarks/new_prompts.py --prompts /tmp/heldout.jsonl \
+      --library --recipe recipes/dflash.yaml --set draft_cap.kind=full_block \
+      --set drafter.prompt_lookup=false --vary verifier.attention --passes "${PASSES:-2}" \
+      --out $O/new_library.json 2>&1 | tee $O/new_library.log
     ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9

@@ -11,8 +11,9 @@ it again. Every output must equal greedy's (exit 1 otherwise). Speedups are repo
 prompts and per category (ratios of summed decode times).
 
     python benchmarks/new_prompts.py --prompts held.jsonl --out new_prompts.json
-    python benchmarks/new_prompts.py --prompts held.jsonl --library --recipe recipes/dflash.yaml \
-        --set drafter.prompt_lookup=false --vary draft_cap.kind --values full_block,fixed
+    python benchmarks/new_prompts.py --prompts held.jsonl --library \
+        --recipe recipes/dflash.yaml --set draft_cap.kind=full_block \
+        --vary verifier.attention          # `dflash_generate`'s verifies, each attention
 """
 
 from __future__ import annotations

@@ -24,6 +24,20 @@ def embedded():
 
 
 @pytest.fixture
+def attention_unwrapped():
+    """Each test starts with mlx-lm's attention function unwrapped: pipelines built by other
+    tests (on the CPU the CLI's stack routes the attention too) may have left theirs wrapped,
+    and get it back afterwards. A patcher of its own: tests undo their `monkeypatch`."""
+    from dspark_flow.models import attention
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, (original, _) in list(attention._WRAPPED.items()):
+            mp.setattr(sys.modules[name], "scaled_dot_product_attention", original)
+        mp.setattr(attention, "_WRAPPED", {})
+        yield
+
+
+@pytest.fixture
 def fake_plugin(tmp_path, monkeypatch):
     """Install a third-party distribution on sys.path: a dist-info with entry points + a module."""
     from dspark_flow import registry

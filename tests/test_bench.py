@@ -422,20 +422,20 @@ def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
         assert figures[label]["greedy"]["speedup_by_category"] == {"chat": 1.0, "math": 1.0}
 
 
-def test_new_prompts_varies_a_setting_of_the_library_stack(tmp_path):
-    """--library --vary: `dflash_generate`'s stack (the reference verifier, no lookup) with the
-    full block and the fixed cap (k = 4), three passes, each output greedy's."""
+def test_new_prompts_varies_the_library_verifiers_attention(tmp_path):
+    """--library --vary verifier.attention: `dflash_generate`'s stack (full block, reference
+    verifier) with each attention, three passes, each output greedy's."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["Count to five."], "category": "chat"}) + "\n")
     out = tmp_path / "new.json"
     args = ["--prompts", str(prompts), "--max-tokens", "8", "--library", "--passes", "3",
-            "--recipe", str(REPO / "recipes" / "dflash.yaml"), "--set", "drafter.prompt_lookup=false",
-            "--vary", "draft_cap.kind", "--values", "full_block,fixed", "--out", str(out)]  # fmt: skip
+            "--recipe", str(REPO / "recipes" / "dflash.yaml"), "--set", "draft_cap.kind=full_block",
+            "--vary", "verifier.attention", "--out", str(out)]  # fmt: skip
     run_benchmark("new_prompts.py", *args)
     figures = json.loads(out.read_text())
     assert figures["same_tokens"] is True and figures["library"] is True
     assert set(figures) >= {"first pass", "second pass", "pass 3"}
-    assert set(figures["pass 3"]) == {"greedy", "full_block", "fixed"}
+    assert set(figures["pass 3"]) == {"greedy", "fused", "matmul"}
 
 
 def test_off_rounds_parts_count_the_decoding_calls_only(embedded, monkeypatch):

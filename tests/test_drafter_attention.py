@@ -12,7 +12,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from dspark_flow.models.drafter_backbone import matmul_attention
+from dspark_flow.models.attention import matmul_attention
 from dspark_flow.strategies.drafters import block_drafter
 
 

@@ -9,7 +9,6 @@ is checked here through its plain-MLX emulation; the probe is exercised with inj
 from __future__ import annotations
 
 import json
-import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,18 +34,7 @@ ON_CPU = mx.default_device() == mx.cpu
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="asserts the CPU backend's declines")
 
 
-@pytest.fixture(autouse=True)
-def attention_unwrapped():
-    """Each test starts with mlx-lm's attention function unwrapped: pipelines built by other
-    tests (on the CPU the CLI's stack routes the attention too) may have left theirs wrapped,
-    and get it back afterwards. A patcher of its own: tests undo their `monkeypatch`."""
-    from dspark_flow.strategies.verifiers import kernels as kv
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name, (original, _) in list(kv._WRAPPED.items()):
-            mp.setattr(sys.modules[name], "scaled_dot_product_attention", original)
-        mp.setattr(kv, "_WRAPPED", {})
-        yield
+pytestmark = pytest.mark.usefixtures("attention_unwrapped")
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from dspark_flow.models.attention import matmul_attention
+
 
 @dataclass
 class BackboneConfig:
@@ -66,27 +68,6 @@ class ContextKV:
     def held(self, i: int) -> int:
         k = self.keys[i]
         return 0 if k is None else int(k.shape[2])
-
-
-def matmul_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None
-) -> mx.array:
-    """Attention as two matmuls and a softmax: `mx.fast.scaled_dot_product_attention`'s
-    arithmetic for heads-first q (1, H, n, d) and k/v (1, H_kv, S, d), query head h reading
-    key head h // (H / H_kv). Why: on CUDA MLX's fused attention for several queries plans each
-    new key length anew (a drafter's key length grows every round: 42-109 ms a pass on an H200
-    at lengths not seen before, 2.5 ms once seen); these operations have no per-shape plan."""
-    b, heads, n, d = q.shape
-    kv_heads = k.shape[1]
-    rep = heads // kv_heads
-    q = (q * mx.array(scale, q.dtype)).reshape(b, kv_heads, rep * n, d)
-    scores = (q @ k.swapaxes(-1, -2)).reshape(b, kv_heads, rep, n, -1)
-    if mask is not None and mask.dtype == mx.bool_:
-        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    elif mask is not None:  # additive
-        scores = scores + mask.astype(scores.dtype)
-    weights = mx.softmax(scores, axis=-1, precise=True).reshape(b, kv_heads, rep * n, -1)
-    return (weights @ v).reshape(b, heads, n, d)
 
 
 class DraftAttention(nn.Module):

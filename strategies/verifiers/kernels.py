@@ -24,7 +24,6 @@ probed row-invariant spans (`_dense_routes`, `_chunked_attention`), the only exa
 from __future__ import annotations
 
 import contextvars
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,12 @@ from pydantic import Field
 from dspark_flow.kernels.coprefill import coprefill_qmm, row_bucket
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
 from dspark_flow.log import get_logger
+from dspark_flow.models.attention import (
+    attention_hook,
+    attention_modules,
+    unwrap_attention,
+    wrap_attention,
+)
 from dspark_flow.models.compiled_layers import CompiledLayers, compiled_scope
 from dspark_flow.models.fused_projections import FusedProjections
 from dspark_flow.strategies.verifiers.layer_options import LayerOptions
@@ -48,10 +53,6 @@ _ROUTER: contextvars.ContextVar[_Router | None] = contextvars.ContextVar(
     "dspark_flow_kernel_router", default=None
 )
 _SUBCLASSES: dict[type, type] = {}
-# Model modules whose `scaled_dot_product_attention` we wrapped: module name -> (the original
-# function, the verifiers relying on the wrapper); the last one to restore puts it back.
-_WRAPPED: dict[str, tuple[Callable[..., Any], set[int]]] = {}
-_ATTENTION_FN = "scaled_dot_product_attention"
 
 
 # `prefer_stock` keeps MLX's own route unless the probes time it this many times dearer per
@@ -253,43 +254,6 @@ def _routed_as_linear(self: nn.Module, x: mx.array) -> mx.array:
     return super(type(self), self).as_linear(x) if y is None else y
 
 
-def _routed_attention(original: Callable[..., Any]) -> Callable[..., Any]:
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        router = _ROUTER.get()
-        if router is not None:
-            out = router.attend(queries, keys, values, cache, scale, mask, sinks)
-            if out is not None:
-                return out
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    scaled_dot_product_attention.dspark_flow_original = original  # type: ignore[attr-defined]
-    return scaled_dot_product_attention
-
-
-def _attention_modules(model: nn.Module) -> list[str]:
-    """The Python modules of the model's classes that call mlx-lm's attention function."""
-    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
-    return sorted(n for n in names if callable(getattr(sys.modules.get(n), _ATTENTION_FN, None)))
-
-
-def _wrap_attention(module_name: str, owner: int) -> None:
-    module = sys.modules[module_name]
-    if module_name not in _WRAPPED:
-        original = getattr(module, _ATTENTION_FN)
-        _WRAPPED[module_name] = (original, set())
-        setattr(module, _ATTENTION_FN, _routed_attention(original))
-    _WRAPPED[module_name][1].add(owner)
-
-
-def _unwrap_attention(owner: int) -> None:
-    for name in [n for n, (_, owners) in _WRAPPED.items() if owner in owners]:
-        original, owners = _WRAPPED[name]
-        owners.discard(owner)
-        if not owners:
-            setattr(sys.modules[name], _ATTENTION_FN, original)
-            del _WRAPPED[name]
-
-
 def _probe_bar(total: int, gpu: bool) -> Any:
     """A progress bar over the probes: the first warm-up on a GPU measures for a minute or more
     (cached verdicts make later ones instant). Disabled on a CPU, where every probe declines
@@ -397,7 +361,7 @@ class KernelVerifier(Verifier):
         for module, cls in self._swapped:
             module.__class__ = cls
         self._swapped.clear()
-        _unwrap_attention(id(self))
+        unwrap_attention(id(self))
         self._router, self._warmed = None, None  # a later warm_up routes afresh
 
     # -- warm-up ---------------------------------------------------------------------------
@@ -478,19 +442,20 @@ class KernelVerifier(Verifier):
         self._take_correct = self._invariant()
         self._not_invariant.clear()
         layers = self._layers(ctx.model) if cfg.matmuls else []
-        attention_modules = _attention_modules(ctx.model) if cfg.attention else []
-        if not layers and not attention_modules:
+        attended = attention_modules(ctx.model) if cfg.attention else []
+        if not layers and not attended:
             log.info("kernels verifier: no affine-quantized layers and no attention to route")
             return
         router = _Router(self._max_rows)
         stacked = [p for _, parts in self._stacks() for p in parts]
         self._swap(layers + stacked)  # the parts too: the recording forward below calls them
-        for name in attention_modules:
-            _wrap_attention(name, id(self))
+        if attended:
+            wrap_attention(ctx.model, id(self))
         router.recording = {}
         token = _ROUTER.set(router)
         try:  # one token, no cache: learns each layer's activation dtype, the attention shape
-            mx.eval(ctx.model(mx.array([[1]], dtype=mx.uint32)))
+            with attention_hook(router.attend):
+                mx.eval(ctx.model(mx.array([[1]], dtype=mx.uint32)))
         finally:
             _ROUTER.reset(token)
         seen, router.recording = router.recording, None
@@ -525,7 +490,7 @@ class KernelVerifier(Verifier):
         self._progress.close()
         self._progress = None
         if router.attention is None:
-            _unwrap_attention(id(self))
+            unwrap_attention(id(self))
         wrong = self._not_invariant
         if self._take_correct and wrong:
             log.warning("kernels verifier: not invariant, some shapes keep the stock path",
@@ -828,8 +793,10 @@ class KernelVerifier(Verifier):
         per_shape = self._max_rows + (len(ROW_BUCKETS) if self.config.coprefill else 0)
         if self._take_correct:  # the stock matmul's span (what runs past it: `_more_probes`)
             per_shape += 1
-        attention = len(KEY_BUCKETS) * self._max_rows if len(router.attention_seen) == 1 else 0
-        return len(shapes) * per_shape + attention
+        attention_probes = (
+            len(KEY_BUCKETS) * self._max_rows if len(router.attention_seen) == 1 else 0
+        )
+        return len(shapes) * per_shape + attention_probes
 
     def _note(self, kernel: str, v: Any, **shape: Any) -> None:
         self.verdicts.append({"kernel": kernel, **shape, **v.to_json(), "cached": v.cached})
@@ -891,6 +858,7 @@ class KernelVerifier(Verifier):
                 return model(ids, cache=cache)[0]
             token = _ROUTER.set(self._router)
             try:  # the graph is built here; evaluation later needs no router
-                return model(ids, cache=cache)[0]
+                with attention_hook(self._router.attend):
+                    return model(ids, cache=cache)[0]
             finally:
                 _ROUTER.reset(token)
