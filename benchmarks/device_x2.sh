@@ -390,7 +390,7 @@ case "${1:-}" in
       echo "solo-e2e: no kernel verdicts on this machine yet; run solo-first in a call before it"; exit 2
     fi
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
-    inv='{kind: kernels, invariant: true, compile_layers: true}' stock='{kind: reference, compile_layers: true}'
+    inv='{kind: kernels, invariant: true, compile_layers: true}' stock='{kind: reference, compile_layers: true, attention: fused}'
     variant dspark kernels-full '{kind: full_block}' auto "$inv"; variant dspark kernels-auto '{kind: auto}' auto "$inv"
     variant dspark stock-k2 '{kind: fixed, k: 2}' auto "$stock"; variant dspark stock-full '{kind: full_block}' auto "$stock"
     set -- /tmp/{kernels-full,kernels-auto,stock-k2,stock-full}.yaml
@@ -516,7 +516,7 @@ case "${1:-}" in
     ;;
   solo-pending)  # lazy greedy drafts (Draft.pending) against synced ones, A/B in one process per
     # verifier: DSpark at fixed k (CAP, default 5), 4 prompts x TRIALS (default 4), 96 tokens
-    set -- '{kind: kernels, invariant: true}' '{kind: reference}'
+    set -- '{kind: kernels, invariant: true}' '{kind: reference, attention: fused}'
     while [ $# -gt 0 ]; do  # each verifier an equal share of what the call has left
       CUDA_VISIBLE_DEVICES=0 timeout $(( $(upto 15) / $# + 1 )) python3 -P benchmarks/pending_ab.py \
         --set "verifier=$1" --cap "{kind: fixed, k: ${CAP:-5}}" --trials "${TRIALS:-4}" \
@@ -550,9 +550,9 @@ case "${1:-}" in
     # per target (benchmarks/compile_ab.py: greedy and DSpark at fixed k = CAP (default 5),
     # option off and on, 4 prompts x TRIALS (default 3), 128 tokens): 4-bit through MLX's stock
     # path, 4-bit through the invariant kernels, bf16 through MLX's stock path
-    set -- 'verifier={kind: reference}|target.weights=auto' \
+    set -- 'verifier={kind: reference, attention: fused}|target.weights=auto' \
       'verifier={kind: kernels, invariant: true}|target.weights=auto' \
-      'verifier={kind: reference}|target.weights=bfloat16'
+      'verifier={kind: reference, attention: fused}|target.weights=bfloat16'
     n=0
     while [ $# -gt 0 ]; do  # each target an equal share of what the call has left
       n=$((n + 1)); IFS='|' read -r v w <<< "$1"

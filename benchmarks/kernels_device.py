@@ -558,7 +558,7 @@ def main() -> None:
     from dspark_flow.kernels.probe import environment
     from dspark_flow.models.backend import backend_name
     from dspark_flow.strategies.verifiers.kernels import KernelsConfig, KernelVerifier
-    from dspark_flow.strategies.verifiers.reference import ReferenceVerifier
+    from dspark_flow.strategies.verifiers.reference import ReferenceConfig, ReferenceVerifier
     from dspark_flow.strategy import BuildContext
 
     args.dense = args.dense or ("float32" if backend_name() == "cpu" else "bfloat16")
@@ -584,7 +584,9 @@ def main() -> None:
             model = synthetic_target(args.synthetic, weights)
         else:
             model, tok = load_target(weights=weights)
-        verifier = ReferenceVerifier() if config is None else KernelVerifier(config)
+        # MLX's stock path: fused attention (the reference's `auto` routes bf16 attention on CUDA)
+        stock = ReferenceVerifier(ReferenceConfig(attention="fused"))
+        verifier = stock if config is None else KernelVerifier(config)
         if config is not None:
             t = time.perf_counter()
             verifier.warm_up(BuildContext(model=model, tokenizer=tok, recipe=None))

@@ -36,7 +36,9 @@ def _ratio(greedy: list[float], values: list[float]) -> float | None:
     return round(sum(greedy) / sum(values), 3) if sum(values) > 0 else None
 
 
-def _by_category(greedy: list[float], values: list[float], categories: list[str]) -> dict:
+def _by_category(
+    greedy: list[float], values: list[float], categories: list[str]
+) -> dict[str, float | None]:
     """Each category's speedup: its prompts' greedy seconds over their seconds here."""
     return {
         c: _ratio(*([x for x, c2 in zip(v, categories, strict=True) if c2 == c]
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override the speculative recipe (as `dspark-flow run --set`)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
+    values = args.values.split(",")
+    if "greedy" in values or len(set(values)) != len(values):
+        p.error(f"--values must be distinct and not 'greedy' (the baseline's name): {args.values}")
 
     from dspark_flow.api import load_target
     from dspark_flow.pipeline import Pipeline
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             REPO / "recipes" / "quickstart.yaml", target=(model, tok), defaults=defaults
         ).warm_up()
     }
-    for value in args.values.split(","):
+    for value in values:
         overrides = [*args.overrides, f"{args.vary}={value}"]
         pipes[value] = Pipeline.from_yaml(
             args.recipe, overrides, target=(model, tok), defaults=defaults

@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_flow.pipeline import Pipeline
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--verifier", default="{kind: reference}", help="the verifier section (YAML)")
+    p.add_argument(
+        "--verifier",
+        default="{kind: reference, attention: fused}",
+        help="the verifier section (YAML); the default is MLX's own forward",
+    )
     p.add_argument("--weights", default="auto", help="the target's weight format")
     p.add_argument("--context", type=int, default=120, help="context tokens before the rows")
     p.add_argument("--json", metavar="FILE", help="also write the figures here")

@@ -372,10 +372,10 @@ def test_cache_root_precedence(tmp_path, monkeypatch):
 
 
 def test_loading_keeps_mlx_compiled_kernels_under_the_home(tmp_path, monkeypatch):
-    """MLX's CUDA kernel cache goes under dspark-flow's home (keyed by MLX version and host)
-    before any model loads, even one that then fails; a directory the user chose is kept."""
-    import platform
-    from importlib.metadata import version
+    """MLX's CUDA kernel cache goes under dspark-flow's home (keyed by MLX version and the
+    device's architecture) before any model loads, even one that then fails; a directory the
+    user chose is kept."""
+    import mlx.core as mx
 
     from dspark_flow.models import backend
 
@@ -385,7 +385,8 @@ def test_loading_keeps_mlx_compiled_kernels_under_the_home(tmp_path, monkeypatch
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError):
         load_model_dir(tmp_path / "empty")
-    want = tmp_path / "home" / "mlx-kernels" / version("mlx") / platform.node()
+    arch = mx.device_info()["architecture"]  # x86_64 on this CPU, sm_90 on an H200
+    want = tmp_path / "home" / "mlx-kernels" / mx.__version__ / arch
     assert os.environ[backend.PTX_CACHE_ENV] == str(want)
     monkeypatch.setenv(backend.PTX_CACHE_ENV, str(tmp_path / "mine"))
     assert backend.keep_compiled_kernels() is None

@@ -15,7 +15,11 @@ import mlx.core as mx
 import pytest
 
 from dspark_flow.models import attention
-from dspark_flow.models.attention import MATMUL_MAX_SCORES, matmul_verify_attention
+from dspark_flow.models.attention import (
+    MATMUL_MAX_KEYS,
+    MATMUL_MAX_SCORES,
+    matmul_verify_attention,
+)
 from dspark_flow.strategies.verifiers import reference
 from dspark_flow.strategies.verifiers.reference import ReferenceConfig, ReferenceVerifier
 
@@ -52,18 +56,21 @@ class _QuantizedCache:
 
 @pytest.mark.parametrize(
     "case",
-    ["one query", "sinks", "quantized cache", "array mask", "too many scores", "batch of 2"],
-)
+    ["one query", "sinks", "quantized cache", "array mask", "too many scores", "too many keys",
+     "batch of 2"],
+)  # fmt: skip
 def test_matmul_verify_attention_declines_what_it_does_not_compute(case):
     rows, keys = (1, 30) if case == "one query" else (4, 30)
     if case == "too many scores":
-        keys = MATMUL_MAX_SCORES // rows + 1
+        rows, keys = 128, MATMUL_MAX_SCORES // 128 + 1
+    elif case == "too many keys":
+        keys = MATMUL_MAX_KEYS + 1
     q, k, v = _qkv(rows, keys, 4, 2, mx.float32)
     cache, mask, sinks = None, "causal", None
     if case == "sinks":
         sinks = mx.zeros((4,))
-    elif case == "quantized cache":
-        cache = _QuantizedCache()
+    elif case == "quantized cache":  # mlx-lm hands over keys and values as (data, scales, biases)
+        cache, k, v = _QuantizedCache(), (k, k, k), (v, v, v)
     elif case == "array mask":
         mask = mx.ones((rows, keys), dtype=mx.bool_)
     elif case == "batch of 2":
@@ -114,8 +121,9 @@ def test_matmul_verifies_keep_greedy_output_and_restore_gives_mlx_lm_its_functio
             "drafter": {"kind": "dflash", "checkpoint": "builtin:smollm2-135m-dflash"},
             "draft_cap": {"kind": "full_block"},
         }
-        if verifier is None:
-            return Pipeline.from_dict({}, target=embedded).warm_up()
+        if verifier is None:  # greedy, MLX's own attention wherever this runs
+            greedy = {"verifier": {"kind": "reference", "attention": "fused"}}
+            return Pipeline.from_dict(greedy, target=embedded).warm_up()
         return Pipeline.from_dict({**recipe, "verifier": verifier}, target=embedded).warm_up()
 
     prompt = "Write a Python function that returns the squares of a list of numbers."
@@ -129,7 +137,6 @@ def test_matmul_verifies_keep_greedy_output_and_restore_gives_mlx_lm_its_functio
     b = matmul.generate(prompt, max_new_tokens=40)
     assert a.token_ids == b.token_ids == want
     assert b.mean_accept_len > 1.0
-    # the prompt's prefill and one verify per drafting round (the last one may be cut short)
     # every layer's: the prompt's prefill, then the verifies (full blocks of 8 rows, fewer
     # only as the token limit nears)
     layers = len(model.model.layers)
@@ -157,9 +164,36 @@ def test_a_verifier_collected_without_restore_drops_its_claim(embedded):
 
     from dspark_flow.strategy import BuildContext
 
+    module = sys.modules[type(embedded[0]).__module__]
+    stock = module.scaled_dot_product_attention
     verifier = ReferenceVerifier(ReferenceConfig(attention="matmul"))
     verifier.warm_up(BuildContext(model=embedded[0], tokenizer=embedded[1], recipe=None))
-    assert attention._WRAPPED
+    assert attention._WRAPPED and module.scaled_dot_product_attention is not stock
     del verifier
     gc.collect()
-    assert not attention._WRAPPED
+    assert not attention._WRAPPED and module.scaled_dot_product_attention is stock
+
+
+def test_a_verifier_routes_only_the_model_it_warmed_up(embedded, monkeypatch):
+    """The wrapper is per module, so another verifier's forward on the same model class must
+    not take this verifier's route (a benchmark's stock baseline beside a routed arm)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dspark_flow.strategy import BuildContext
+
+    calls: list[int] = []
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return matmul_verify_attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "matmul_verify_attention", counting)
+    model, tok = embedded
+    warmed = ReferenceVerifier(ReferenceConfig(attention="matmul"))
+    warmed.warm_up(BuildContext(model=model, tokenizer=tok, recipe=None))
+    cold = ReferenceVerifier(ReferenceConfig(attention="matmul"))  # never warmed up
+    mx.eval(cold.forward(model, [1, 2, 3], make_prompt_cache(model)))
+    assert not calls
+    mx.eval(warmed.forward(model, [1, 2, 3], make_prompt_cache(model)))
+    assert calls and set(calls) == {3}
+    warmed.restore()

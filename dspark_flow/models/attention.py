@@ -1,7 +1,8 @@
 """Attention routed around MLX's fused kernel where it plans every new key length.
 
-On CUDA, `mx.fast.scaled_dot_product_attention` for several queries plans each key length it
-has not seen (docs/benchmarks.md §4 and §6: 37-109 ms a call on an H200, 2-3 ms once seen),
+On CUDA, `mx.fast.scaled_dot_product_attention` in float16/bfloat16 for several queries goes
+to cuDNN, which plans each key length it has not seen (on an H200: a bf16 verify's attention
+37-75 ms a call, a drafter's pass 42-109 ms, 2-3 ms once seen; docs/kernels.md, benchmarks §6),
 and both a drafter's keys and a verify's keys grow every round. `matmul_attention` computes
 the same attention as two matmuls and a softmax, which plan nothing.
 
@@ -33,9 +34,11 @@ _ATTENTION_FN = "scaled_dot_product_attention"
 # relying on the wrapper); the last owner to unwrap puts the original back.
 _WRAPPED: dict[str, tuple[Callable[..., Any], set[int]]] = {}
 
-# A verify's rows times its keys up to which `matmul_verify_attention` takes a call: its
-# scores are materialised (float32, per query head), so very long prefills keep the fused kernel.
-MATMUL_MAX_SCORES = 1 << 20
+# Bounds on what `matmul_verify_attention` takes: it materialises the scores (float32, per
+# query head) and casts the keys and values to float32 every call, so long prefills and long
+# contexts keep the fused kernel.
+MATMUL_MAX_SCORES = 1 << 20  # rows x keys
+MATMUL_MAX_KEYS = 16384
 
 
 def matmul_attention(
@@ -81,12 +84,12 @@ def matmul_verify_attention(
     """A hook (`attention_hook`) taking the target's attention for 2 or more queries, causal
     or unmasked, through `matmul_attention` in float32 (the fused kernel's accumulation
     precision); anything else - one query (no per-length plan there), quantized caches, sinks,
-    explicit masks, scores past `MATMUL_MAX_SCORES`, a dtype not in `dtypes` (None: any) -
-    declines to mlx-lm's own."""
+    explicit masks, past `MATMUL_MAX_SCORES` or `MATMUL_MAX_KEYS`, a dtype not in `dtypes`
+    (None: any) - declines to mlx-lm's own."""
+    if sinks is not None or hasattr(cache, "bits") or q.shape[0] != 1:
+        return None  # (a quantized cache hands over keys as tuples)
     rows, keys = q.shape[2], k.shape[2]
-    if rows < 2 or sinks is not None or hasattr(cache, "bits") or q.shape[0] != 1:
-        return None
-    if rows * keys > MATMUL_MAX_SCORES or keys < rows:
+    if rows < 2 or keys < rows or keys > MATMUL_MAX_KEYS or rows * keys > MATMUL_MAX_SCORES:
         return None
     if dtypes is not None and q.dtype not in dtypes:
         return None

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,24 +149,31 @@ def keep_compiled_kernels() -> str | None:
     set one ($MLX_PTX_CACHE_DIR); returns the directory chosen, or None.
 
     Why: MLX compiles some kernels with NVRTC on first use (fused elementwise kernels of
-    `mx.compile`, gathers: 24 s before a drafter's first pass on a fresh H200, 2026-12-02) and
-    caches them under the system temp directory, which a reboot or a new container empties.
+    `mx.compile`, gathers: 23-41 s before a drafter's first passes on a fresh H200, 2026-12-02)
+    and caches them under the system temp directory, which a reboot or a new container empties.
     MLX reads the variable at its first compilation, so this runs before any model loads. Keyed
-    by MLX version and host name: a home shared between machines may see other GPUs. No
-    effect off CUDA; MLX creates the directory, and runs uncached if it cannot."""
+    by MLX version and the device's architecture: compiled kernels fit one GPU generation, and
+    a home may be shared by machines with others. No effect off CUDA; MLX creates the
+    directory, and runs uncached if it cannot."""
     if os.environ.get(PTX_CACHE_ENV):
         return None
-    from importlib.metadata import PackageNotFoundError, version
+    import mlx.core as mx
 
     from dspark_flow.models.embedded import cache_root
 
-    try:
-        mlx_version = version("mlx")
-    except PackageNotFoundError:
-        mlx_version = "unknown"
-    path = cache_root() / "mlx-kernels" / mlx_version / (platform.node() or "host")
+    version = str(getattr(mx, "__version__", "unknown"))
+    path = cache_root() / "mlx-kernels" / version / device_key()
     os.environ[PTX_CACHE_ENV] = str(path)
     return str(path)
+
+
+def device_key() -> str:
+    """The default device's architecture (e.g. sm_90 on an H200), as a file name."""
+    import mlx.core as mx
+
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    name = str(info.get("architecture") or info.get("device_name") or "unknown")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "unknown"
 
 
 def backend_name() -> str:

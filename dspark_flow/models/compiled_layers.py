@@ -110,7 +110,7 @@ def _compiled_attention_call(self: Any, x: mx.array, mask: Any = None, cache: An
     pre, post = scope.attention_fns(self)
     queries, keys, values = pre(x, mx.array(cache.offset, dtype=mx.int32))
     keys, values = cache.update_and_fetch(keys, values)
-    # Looked up per call: the kernels verifier may have wrapped the module's function.
+    # Looked up per call: a verifier may have wrapped the module's function (models/attention.py).
     attend = getattr(sys.modules[base.__module__], _ATTENTION_FN)
     out = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
     return post(out)

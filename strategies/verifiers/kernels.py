@@ -13,8 +13,9 @@ row-invariant, `qmv_rows`/`sdpa_vector_rows` past that where bitwise equal to th
 kernels above): MLX's own where they exist and are not far dearer (`prefer_stock`), else the
 cheapest per token by the probes. Layers are rerouted by swapping their class to a subclass whose matmul asks the
 router first; attention by wrapping the `scaled_dot_product_attention` function that mlx-lm's
-model modules call (the wrapper passes through to the original unless a router is active;
-`restore()` undoes both). The router is active only inside this verifier's `forward`, so
+model modules call (`dspark_flow/models/attention.py`: the wrapper passes through to the
+original unless a forward set its hook; `restore()` undoes both). The router and its attention
+hook are active only inside this verifier's `forward`, so
 anything else running the same model gets the stock path. Where nothing is enabled nothing is
 swapped or wrapped: output = `reference`. On the CPU no kernel runs; there invariant mode routes
 the dense layers (and the tied head) and the attention through MLX's own ops in chunks of their

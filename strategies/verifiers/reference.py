@@ -1,5 +1,6 @@
-"""verifier `reference`: the target's own forward pass in plain MLX (the twin every kernel is
-checked against), optionally with its decoder layers compiled for verify-sized forwards.
+"""verifier `reference`: the target's own forward pass in plain MLX (the library's default,
+and what the `kernels` verifier's output is compared with), optionally with its decoder layers
+compiled for verify-sized forwards.
 
 On CUDA (option `attention: auto`) the target's half-precision attention for several queries
 runs as plain MLX matmuls (`dspark_flow/models/attention.py`): there MLX hands it to cuDNN, which
@@ -37,7 +38,8 @@ class ReferenceConfig(LayerOptions):
         "auto",
         description="the target's attention for 2 or more queries (verifies, short prefills): "
         "fused = MLX's scaled_dot_product_attention, matmul = two matmuls and a softmax in "
-        "float32 (no per-shape plan); auto = matmul for float16/bfloat16 attention on CUDA, "
+        "float32 (no per-shape plan; up to 16,384 keys); auto = matmul for float16/bfloat16 "
+        "attention on CUDA, "
         "where MLX's fused attention goes through cuDNN, which plans every new key length "
         "(37-75 ms a call on an H200), fused elsewhere",
     )
@@ -60,6 +62,7 @@ class ReferenceVerifier(Verifier):
         self.compiled: CompiledLayers | None = None
         self._model_id: int | None = None
         self._hook = self.config.attention_route()
+        self._finalizer: weakref.finalize | None = None
 
     def warm_up(self, ctx: BuildContext) -> None:
         if self._model_id == id(ctx.model):
@@ -67,8 +70,9 @@ class ReferenceVerifier(Verifier):
         self.restore()  # warmed for another model before
         if self._hook is not None:
             wrap_attention(ctx.model, id(self))
-            # one-call APIs never restore their pipeline: drop the claim when it is collected
-            weakref.finalize(self, unwrap_attention, id(self))
+            if self._finalizer is None:
+                # one-call APIs never restore their pipeline: drop the claim when collected
+                self._finalizer = weakref.finalize(self, unwrap_attention, id(self))
         if self.config.compile_layers:
             fused = FusedProjections.install(ctx.model) if self.config.fusing else None
             self.compiled = CompiledLayers(MAX_ROWS, fused)
@@ -85,5 +89,7 @@ class ReferenceVerifier(Verifier):
 
     def forward(self, model: nn.Module, tokens: list[int] | mx.array, cache: list[Any]) -> mx.array:
         ids = mx.array(tokens, dtype=mx.uint32)[None]
-        with compiled_scope(self.compiled), attention_hook(self._hook):
+        # the hook only for the model this verifier wrapped: another's wrapper may be in place
+        hook = self._hook if self._model_id == id(model) else None
+        with compiled_scope(self.compiled), attention_hook(hook):
             return model(ids, cache=cache)[0]
