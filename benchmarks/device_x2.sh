@@ -463,10 +463,12 @@ case "${1:-}" in
     ;;
   solo-library)  # `dflash_generate`'s stack (the library's defaults: the `reference` verifier,
     # the full block, no prompt lookup) on new prompts, then again, with the verifier's
-    # attention fused and matmul, beside greedy (library defaults too); PASSES (default 2)
+    # attention fused and matmul, beside greedy (library defaults too); PASSES (default 2);
+    # WEIGHTS=bfloat16 for a target whose attention runs in half precision (where `auto` routes
+    # it: the embedded target's native 4-bit attends in float32)
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-3}"
     timeout "$(upto 20)" python3 -P benchmarks/new_prompts.py --prompts /tmp/heldout.jsonl \
-      --library --recipe recipes/dflash.yaml --set draft_cap.kind=full_block \
+      --weights "${WEIGHTS:-auto}" --library --recipe recipes/dflash.yaml --set draft_cap.kind=full_block \
       --set drafter.prompt_lookup=false --vary verifier.attention --passes "${PASSES:-2}" \
       --out $O/new_library.json 2>&1 | tee $O/new_library.log
     ;;

@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the library's defaults instead of the CLI's (verifier `reference`)")  # fmt: skip
     p.add_argument("--passes", type=int, default=2, help="passes over the prompts (first: new)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--weights", default="auto",
+                   help="the target's weight format (auto, native, float32, bfloat16, float16)")  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the speculative recipe (as `dspark-flow run --set`)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
-    model, tok = load_target("builtin:smollm2-135m")
+    model, tok = load_target("builtin:smollm2-135m", weights=args.weights)
     defaults = None if args.library else TOOL_DEFAULTS
     pipes: dict[str, Any] = {
         "greedy": Pipeline.from_yaml(
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "prompts": len(rows), "max_tokens": args.max_tokens, "vary": args.vary,
         "library": args.library, "recipe": str(args.recipe), "set": args.overrides,
+        "weights": args.weights,
     }  # fmt: skip
     same = True
     for n in range(args.passes):

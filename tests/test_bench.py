@@ -429,11 +429,13 @@ def test_new_prompts_varies_the_library_verifiers_attention(tmp_path):
     prompts.write_text(json.dumps({"turns": ["Count to five."], "category": "chat"}) + "\n")
     out = tmp_path / "new.json"
     args = ["--prompts", str(prompts), "--max-tokens", "8", "--library", "--passes", "3",
+            "--weights", "float32",
             "--recipe", str(REPO / "recipes" / "dflash.yaml"), "--set", "draft_cap.kind=full_block",
             "--vary", "verifier.attention", "--out", str(out)]  # fmt: skip
     run_benchmark("new_prompts.py", *args)
     figures = json.loads(out.read_text())
     assert figures["same_tokens"] is True and figures["library"] is True
+    assert figures["weights"] == "float32"
     assert set(figures) >= {"first pass", "second pass", "pass 3"}
     assert set(figures["pass 3"]) == {"greedy", "fused", "matmul"}
 
