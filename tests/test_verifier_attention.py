@@ -197,3 +197,40 @@ def test_a_verifier_routes_only_the_model_it_warmed_up(embedded, monkeypatch):
     mx.eval(warmed.forward(model, [1, 2, 3], make_prompt_cache(model)))
     assert calls and set(calls) == {3}
     warmed.restore()
+
+
+def test_the_kernels_and_reference_verifiers_share_the_wrapper(embedded, monkeypatch, tmp_path):
+    """Both verifiers wrap mlx-lm's attention function through one wrapper per module: each
+    restore drops only its own claim, and each forward takes only its own route."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dspark_flow.kernels import probe
+    from dspark_flow.strategies.verifiers.kernels import KernelsConfig, KernelVerifier
+    from dspark_flow.strategy import BuildContext
+
+    monkeypatch.setenv(probe.CACHE_ENV, str(tmp_path / "kernel-cache"))  # its verdicts: here
+    calls: list[int] = []
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return matmul_verify_attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "matmul_verify_attention", counting)
+    model, tok = embedded
+    module = sys.modules[type(model).__module__]
+    stock = module.scaled_dot_product_attention
+    ctx = BuildContext(model=model, tokenizer=tok, recipe=None)
+    kernels = KernelVerifier(KernelsConfig(invariant=True))  # on the CPU: chunked attention
+    kernels.warm_up(ctx)
+    assert module.scaled_dot_product_attention is not stock
+    routed = ReferenceVerifier(ReferenceConfig(attention="matmul"))
+    routed.warm_up(ctx)
+    tokens = [504, 2365, 6354]
+    mx.eval(kernels.forward(model, tokens, make_prompt_cache(model)))
+    assert not calls and kernels.attention_calls > 0  # its own route only
+    kernels.restore()
+    assert module.scaled_dot_product_attention is not stock  # still the reference's
+    mx.eval(routed.forward(model, tokens, make_prompt_cache(model)))
+    assert set(calls) == {3}
+    routed.restore()
+    assert module.scaled_dot_product_attention is stock and not attention._WRAPPED
