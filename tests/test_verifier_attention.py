@@ -174,20 +174,26 @@ def test_a_verifier_collected_without_restore_drops_its_claim(embedded):
     assert not attention._WRAPPED and module.scaled_dot_product_attention is stock
 
 
-def test_a_verifier_routes_only_the_model_it_warmed_up(embedded, monkeypatch):
+@pytest.fixture
+def calls(monkeypatch) -> list[int]:
+    """The query rows of every call a reference verifier built afterwards hands its matmul route."""
+    asked: list[int] = []
+
+    def counting(q, *args, **kwargs):
+        asked.append(q.shape[2])
+        return matmul_verify_attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "matmul_verify_attention", counting)
+    return asked
+
+
+def test_a_verifier_routes_only_the_model_it_warmed_up(embedded, calls):
     """The wrapper is per module, so another verifier's forward on the same model class must
     not take this verifier's route (a benchmark's stock baseline beside a routed arm)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from dspark_flow.strategy import BuildContext
 
-    calls: list[int] = []
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[2])
-        return matmul_verify_attention(q, *args, **kwargs)
-
-    monkeypatch.setattr(reference, "matmul_verify_attention", counting)
     model, tok = embedded
     warmed = ReferenceVerifier(ReferenceConfig(attention="matmul"))
     warmed.warm_up(BuildContext(model=model, tokenizer=tok, recipe=None))
@@ -199,7 +205,9 @@ def test_a_verifier_routes_only_the_model_it_warmed_up(embedded, monkeypatch):
     warmed.restore()
 
 
-def test_the_kernels_and_reference_verifiers_share_the_wrapper(embedded, monkeypatch, tmp_path):
+def test_the_kernels_and_reference_verifiers_share_the_wrapper(
+    embedded, calls, monkeypatch, tmp_path
+):
     """Both verifiers wrap mlx-lm's attention function through one wrapper per module: each
     restore drops only its own claim, and each forward takes only its own route."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -209,13 +217,6 @@ def test_the_kernels_and_reference_verifiers_share_the_wrapper(embedded, monkeyp
     from dspark_flow.strategy import BuildContext
 
     monkeypatch.setenv(probe.CACHE_ENV, str(tmp_path / "kernel-cache"))  # its verdicts: here
-    calls: list[int] = []
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[2])
-        return matmul_verify_attention(q, *args, **kwargs)
-
-    monkeypatch.setattr(reference, "matmul_verify_attention", counting)
     model, tok = embedded
     module = sys.modules[type(model).__module__]
     stock = module.scaled_dot_product_attention
