@@ -12,8 +12,8 @@ import json
 import mlx.core as mx
 import pytest
 
+from dspark_flow.models import attention
 from dspark_flow.models.attention import matmul_attention
-from dspark_flow.strategies.drafters import block_drafter
 
 
 def _random(shape, dtype):
@@ -62,7 +62,7 @@ def test_drafter_layers_with_matmul_attention_keep_their_values():
 def test_auto_takes_matmul_attention_on_cuda_only(monkeypatch, choice, backend, matmul):
     from dspark_flow.strategies.drafters.dspark import DSparkConfig, DSparkDrafter
 
-    monkeypatch.setattr(block_drafter, "backend_name", lambda: backend)
+    monkeypatch.setattr(attention, "backend_name", lambda: backend)
     assert DSparkDrafter(DSparkConfig(attention=choice)).matmul_attention is matmul
 
 

@@ -87,7 +87,7 @@ def test_auto_takes_matmul_attention_for_half_precision_on_cuda_only(
     monkeypatch, choice, backend, routed
 ):
     """cuDNN (half precision on CUDA) is what plans each key length; float32 keeps MLX's own."""
-    monkeypatch.setattr(reference, "backend_name", lambda: backend)
+    monkeypatch.setattr(attention, "backend_name", lambda: backend)
     route = ReferenceConfig(attention=choice).attention_route()
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         q, k, v = _qkv(4, 30, 4, 2, dtype)

@@ -18,11 +18,15 @@ import contextvars
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from dspark_flow.models.backend import backend_name
+
+# The option `attention` of the drafters and of the `reference` verifier
+AttentionChoice = Literal["auto", "fused", "matmul"]
 # (queries, keys, values, cache, scale, mask, sinks) -> the attention, or None: mlx-lm's own
 AttentionHook = Callable[..., "mx.array | None"]
 
@@ -39,6 +43,12 @@ _WRAPPED: dict[str, tuple[Callable[..., Any], set[int]]] = {}
 # contexts keep the fused kernel.
 MATMUL_MAX_SCORES = 1 << 20  # rows x keys
 MATMUL_MAX_KEYS = 16384
+
+
+def matmul_chosen(choice: AttentionChoice) -> bool:
+    """Whether option `attention` takes the matmul route on this backend: `matmul` anywhere,
+    `auto` on CUDA only (where MLX's fused attention plans each new key length)."""
+    return choice == "matmul" or (choice == "auto" and backend_name() == "cuda")
 
 
 def matmul_attention(

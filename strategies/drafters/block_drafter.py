@@ -23,7 +23,7 @@ import mlx.nn as nn
 from pydantic import Field, field_validator
 
 from dspark_flow.errors import ConfigError, DsparkFlowError
-from dspark_flow.models.backend import backend_name
+from dspark_flow.models.attention import AttentionChoice, matmul_chosen
 from dspark_flow.models.draft_vocab import SubsetHead, read_draft_vocab
 from dspark_flow.models.drafter_backbone import ContextKV, DrafterBackbone
 from dspark_flow.models.drafter_loading import (
@@ -101,7 +101,7 @@ class BlockDrafterConfig(StrategyConfig):
         "in A/Bs on an H200 and a CPU; dspark_flow/models/drafter_backbone.py)",
     )
 
-    attention: Literal["auto", "fused", "matmul"] = Field(
+    attention: AttentionChoice = Field(
         "auto",
         description="the drafter's attention: fused = MLX's scaled_dot_product_attention, "
         "matmul = two matmuls and a softmax (no per-shape plan); auto = matmul on CUDA, where "
@@ -241,8 +241,7 @@ class BlockDrafter(Drafter):
 
     @property
     def matmul_attention(self) -> bool:
-        choice = self.config.attention
-        return choice == "matmul" or (choice == "auto" and backend_name() == "cuda")
+        return matmul_chosen(self.config.attention)
 
     # -- one generation ----------------------------------------------------------------------
 

@@ -19,13 +19,14 @@ from pydantic import Field
 from dspark_flow.kernels.qmm_small_m import MAX_ROWS
 from dspark_flow.models.attention import (
     HALF_PRECISION,
+    AttentionChoice,
     AttentionHook,
     attention_hook,
+    matmul_chosen,
     matmul_verify_attention,
     unwrap_attention,
     wrap_attention,
 )
-from dspark_flow.models.backend import backend_name
 from dspark_flow.models.compiled_layers import CompiledLayers, compiled_scope
 from dspark_flow.models.fused_projections import FusedProjections
 from dspark_flow.strategies.verifiers.layer_options import LayerOptions
@@ -34,7 +35,7 @@ from dspark_flow.strategy import BuildContext, Verifier
 
 class ReferenceConfig(LayerOptions):
     kind: Literal["reference"] = "reference"
-    attention: Literal["auto", "fused", "matmul"] = Field(
+    attention: AttentionChoice = Field(
         "auto",
         description="the target's attention for 2 or more queries (verifies, short prefills): "
         "fused = MLX's scaled_dot_product_attention, matmul = two matmuls and a softmax in "
@@ -46,11 +47,11 @@ class ReferenceConfig(LayerOptions):
 
     def attention_route(self) -> AttentionHook | None:
         """What the verifier's forward routes the attention through (None: MLX's own)."""
+        if not matmul_chosen(self.attention):
+            return None
         if self.attention == "matmul":
             return matmul_verify_attention
-        if self.attention == "auto" and backend_name() == "cuda":
-            return partial(matmul_verify_attention, dtypes=HALF_PRECISION)
-        return None
+        return partial(matmul_verify_attention, dtypes=HALF_PRECISION)  # auto: cuDNN's dtypes
 
 
 class ReferenceVerifier(Verifier):
