@@ -33,7 +33,7 @@
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
-# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-library` (the same for the library's verifier: its attention), `solo-synthetic` (issue 9 on a larger random-weight
+# `solo-chat` (issue 6 on chat alone), `solo-copy` (prompt lookup before the trained drafters), `solo-sources` (copies planned apart), `solo-new` (prompts the process has not seen: the drafter's attention), `solo-library` (the same for the library's verifier: its attention), `solo-kernel-cache` (what the kernel cache saves a new process; run it first on a fresh machine), `solo-synthetic` (issue 9 on a larger random-weight
 # target; needs no solo-first) as the budget allows.
 #
 # Stage as in train_device.sh, then, one call each:
@@ -472,6 +472,12 @@ case "${1:-}" in
       --set drafter.prompt_lookup=false --vary verifier.attention --passes "${PASSES:-2}" \
       --out $O/new_library.json 2>&1 | tee $O/new_library.log
     ;;
+  solo-kernel-cache)  # MLX's compiled-kernel cache under dspark-flow's home: a short decode in
+    # four fresh processes (the home cache filling, then filled; an empty cache folder; the home
+    # again). Run it first on a fresh machine, before anything else compiles
+    timeout "$(upto 10)" python3 -P benchmarks/kernel_cache.py --out $O/kernel_cache.json \
+      2>&1 | tee $O/kernel_cache.log
+    ;;
   solo-sweeps)  # issue 6 on a quiet GPU: DRAFTERS (default dspark dflash) share the call, each
     # one warm-up pass, then as many of TRIALS (default 6) as its share holds (~72 s a trial of 9
     # prompts on 2026-11-30, after a 100-130 s warm-up pass). One trial could not resolve 5%
@@ -565,7 +571,7 @@ case "${1:-}" in
     done
     grep -E "^compile_layers|tok/s" $O/compile.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-gap | solo-compile | pair-sweeps" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-gap | solo-compile | solo-new | solo-library | solo-kernel-cache | pair-sweeps" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

@@ -403,6 +403,19 @@ def test_drafter_attention_times_both_attentions_cold_and_warm(tmp_path):
         assert all(ms > 0 for ms in runs["cold"] + runs["warm"])
 
 
+def test_kernel_cache_runs_four_fresh_processes(tmp_path):
+    """benchmarks/kernel_cache.py: the same decode in four processes, three with the cache
+    folder under dspark-flow's home and one with an empty folder of its own."""
+    out = tmp_path / "cache.json"
+    run_benchmark("kernel_cache.py", "--max-tokens", "4", "--out", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["process"] for r in rows] == ["home, first", "home, again", "empty", "home, last"]
+    home = {r["cache_dir"] for r in rows if r["process"].startswith("home")}
+    assert len(home) == 1 and "mlx-kernels" in home.pop()
+    assert "mlx-kernels-empty-" in rows[2]["cache_dir"]
+    assert all(r["first_decode_s"] > 0 and r["second_decode_s"] > 0 for r in rows)
+
+
 def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
     """benchmarks/new_prompts.py: greedy and the recipe with each attention, a first and a
     second pass, each output greedy's (exit 0 and `same_tokens`), figures per category."""
