@@ -40,7 +40,7 @@ from dspark_flow.pipeline import Pipeline
 from dspark_flow.strategies.drafters.lookup import CopyIndex, NgramSearch, find_copy
 from dspark_flow.strategies.samplers.greedy import GreedySampler
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler
-from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, BuildContext, Draft
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, Draft
 from tests import drafter_helpers as h
 from tests.tiny import VOCAB, tiny_args
 
@@ -204,46 +204,6 @@ def test_dspark_matches_numpy_reference(tmp_path, tiny4):
     np.testing.assert_allclose(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_confs, ref_confs, rtol=1e-4, atol=1e-4)
     assert draft.tokens == ref_tokens  # B slots give B drafts (no threshold)
-
-
-@pytest.mark.parametrize("name", ["dspark", "dspark-markov-conf", "dspark-gated", "dspark-rnn"])
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
-@pytest.mark.parametrize("vocab", [None, 300])
-def test_dspark_compiled_chain_drafts_what_the_plain_chain_drafts(
-    tmp_path, tiny4, name, threshold, vocab
-):
-    """Greedy DSpark drafts run their slots through `mx.compile`; with a trace recorded they
-    take the plain chain. Both must draft the same tokens (and cut at the same confidence),
-    for every block length, Markov head and draft vocabulary, and a drafter given new weights
-    must not keep drafting from the old ones' trace."""  # fmt: skip
-    _, path, options = make_checkpoint(tmp_path, name)
-    options = {**options, "confidence_threshold": threshold}
-    if vocab:
-        _vocab_file(path, np.random.default_rng(2).permutation(VOCAB)[:vocab].tolist())
-    drafter = api.load_drafter(str(path), tiny4, quantize=None, dtype="float32",
-                               draft_vocab=vocab, **options)  # fmt: skip
-    drafter._sampler = GreedySampler()
-    rng = np.random.default_rng(5)
-
-    def both(hidden, anchor, k):
-        drafter.trace = None
-        compiled = drafter.draft(hidden, anchor, k).resolve().tokens
-        drafter.trace = []
-        plain = drafter.draft(hidden, anchor, k).resolve().tokens
-        return compiled, plain
-
-    for k in range(1, drafter.max_draft + 1):
-        hidden = mx.array(rng.normal(size=(drafter.block_size, 32)).astype(np.float32))
-        compiled, plain = both(hidden, int(rng.integers(VOCAB)), k)
-        assert compiled == plain and len(plain) <= k
-        assert threshold > 0 or len(plain) == k
-    _, other, _ = make_checkpoint(tmp_path / "other", name, seed=9)
-    if vocab:
-        _vocab_file(other, np.random.default_rng(2).permutation(VOCAB)[:vocab].tolist())
-    drafter.load_path(other)
-    drafter.warm_up(BuildContext(model=tiny4, tokenizer=None, recipe=None))
-    compiled, plain = both(hidden, 7, drafter.max_draft)
-    assert compiled == plain
 
 
 @pytest.mark.parametrize("v2", [False, True])

@@ -37,11 +37,6 @@ class DSparkConfig(BlockDrafterConfig):
         description="cut the block at the first slot whose confidence is below this "
         "(0: never, DeepSpec's default)",
     )
-    compile_chain: bool = Field(
-        True,
-        description="run greedy drafts' slots (the Markov head's left-to-right chain) through "
-        "mx.compile: the same drafts from one call a round instead of ~12 per slot",
-    )
 
 
 class MarkovHead(nn.Module):
@@ -127,7 +122,6 @@ class DSparkDrafter(BlockDrafter):
         super().__init__(*args, **kwargs)
         self._head: Any = None  # the draft vocabulary's rows of the head (None: the full head)
         self._markov_w2: Any = None  # ... and of the Markov head's output factor
-        self._compiled: tuple[tuple[Any, ...], Any] | None = None  # (traced for, function)
 
     def build(self, spec: DrafterSpec) -> DSparkModel:
         return DSparkModel(spec)
@@ -141,47 +135,19 @@ class DSparkDrafter(BlockDrafter):
         return self.model.embed_tokens(tokens)
 
     def draft(self, hidden: mx.array, anchor: int, k: int) -> Draft:
-        n = min(k, hidden.shape[0] - self.first_slot)
-        if n == 0:
-            return Draft()
-        hidden = hidden[self.first_slot : self.first_slot + n]
-        threshold = self.config.confidence_threshold
-        cut = threshold > 0.0 and self.model.get("confidence_head") is not None
-        prev = mx.array([anchor])
-        if self.greedy and self.trace is None and self.config.compile_chain:
-            tokens, confs = self._compiled_chain(cut)(hidden, prev)
-            dists = None
-        else:
-            tokens, confs, dists = self._chain(hidden, prev, greedy=self.greedy, with_conf=cut)
-        if self.leave_pending and not cut:  # the length is known: n
-            return Draft(pending=tokens)
-        packed = tokens.astype(mx.float32)
-        if confs is not None:
-            packed = mx.concatenate([packed, mx.sigmoid(confs.astype(mx.float32))])
-        values = packed.tolist()  # the drafter's one host sync
-        ids = [int(t) for t in values[:n]]
-        keep = n
-        if confs is not None:
-            below = [i for i, c in enumerate(values[n:]) if c < threshold]
-            keep = below[0] if below else n
-        probs = self.full_probs(dists[:keep]) if dists is not None and keep else None
-        return Draft(tokens=ids[:keep], probs=probs)
-
-    def _chain(
-        self, hidden: mx.array, prev: mx.array, *, greedy: bool, with_conf: bool
-    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """The slots left to right - each slot's Markov correction depends on the previous
-        token - as (vocabulary ids (n,), confidence logits (n,) or None, the distributions
-        drawn from (n, rows) or None when greedy). Lazy: no host sync."""
         m = self.model
+        n = min(k, hidden.shape[0] - self.first_slot)
+        hidden = hidden[self.first_slot : self.first_slot + n]
+        # (n, vocab or draft vocab) before the Markov correction
         logits = m.logits(hidden) if self._head is None else self._head(hidden)
         markov = m.get("markov_head")
-        conf_head = m.get("confidence_head") if with_conf or self.trace is not None else None
+        conf_head = m.get("confidence_head")
         state = mx.zeros((markov.rank,), hidden.dtype) if markov and markov.kind == "rnn" else None
+        prev = mx.array([anchor])
         tokens: list[mx.array] = []
         dists: list[mx.array] = []
         confs: list[mx.array] = []
-        for j in range(hidden.shape[0]):
+        for j in range(n):  # left to right: each slot's correction depends on the previous token
             row = logits[j]
             if markov is not None:
                 bias, state = markov.step(prev, hidden[j], state, self._markov_w2)
@@ -193,7 +159,7 @@ class DSparkDrafter(BlockDrafter):
                 confs.append(conf_head(feat))
             if self.trace is not None:
                 self.trace.append((row, confs[-1] if confs else None))
-            if greedy:
+            if self.greedy:
                 token = self.token_ids(mx.argmax(row))
             else:
                 q = self.probs(row)
@@ -201,20 +167,19 @@ class DSparkDrafter(BlockDrafter):
                 token = self.token_ids(self.draw(q))
             tokens.append(token)
             prev = token.reshape(1)
-        return (
-            mx.stack(tokens),
-            mx.stack(confs) if with_conf and confs else None,
-            mx.stack(dists) if dists else None,
-        )
-
-    def _compiled_chain(self, with_conf: bool) -> Any:
-        """`_chain` for greedy drafts through `mx.compile` (one trace per block length): the
-        same operations, so the same tokens, from one call instead of ~12 per slot - host time
-        that a small drafter's round on a GPU waits for."""
-        # The trace holds the weights it was traced with: trace again for new ones.
-        key = (with_conf, self.model, self._head, self._markov_w2)
-        old = self._compiled
-        if old is None or any(a is not b for a, b in zip(old[0], key, strict=True)):
-            fn = mx.compile(lambda h, p: self._chain(h, p, greedy=True, with_conf=with_conf)[:2])
-            self._compiled = (key, fn)
-        return self._compiled[1]
+        if n == 0:
+            return Draft()
+        threshold = self.config.confidence_threshold
+        if self.leave_pending and not (confs and threshold > 0.0):  # the length is known: n
+            return Draft(pending=mx.stack(tokens))
+        packed = mx.stack(tokens).astype(mx.float32)
+        if confs:
+            packed = mx.concatenate([packed, mx.sigmoid(mx.stack(confs).astype(mx.float32))])
+        values = packed.tolist()  # the drafter's one host sync
+        ids = [int(t) for t in values[:n]]
+        keep = n
+        if confs and threshold > 0.0:
+            below = [i for i, c in enumerate(values[n:]) if c < threshold]
+            keep = below[0] if below else n
+        probs = self.full_probs(mx.stack(dists[:keep])) if dists and keep else None
+        return Draft(tokens=ids[:keep], probs=probs)
