@@ -416,6 +416,16 @@ def test_kernel_cache_runs_four_fresh_processes(tmp_path):
     assert all(r["first_decode_s"] > 0 and r["second_decode_s"] > 0 for r in rows)
 
 
+def test_attention_plans_runs_with_the_check_off_and_on(tmp_path):
+    """benchmarks/attention_plans.py: fused attention at new key lengths in two fresh
+    processes, dspark-flow's default (the check off: `import dspark_flow` set it) and MLX's."""
+    out = tmp_path / "plans.json"
+    run_benchmark("attention_plans.py", "--lengths", "12", "--out", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["check"] for r in rows] == ["0", "1"]
+    assert all(r["lengths_done"] == 12 and r["error"] is None for r in rows)  # no cuDNN here
+
+
 def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
     """benchmarks/new_prompts.py: greedy and the recipe with each attention, a first and a
     second pass, each output greedy's (exit 0 and `same_tokens`), figures per category."""
