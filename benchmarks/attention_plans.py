@@ -1,12 +1,17 @@
-"""MLX's fused attention at many new key lengths: what each costs, and whether MLX raises.
+"""MLX's fused attention at many new key lengths: what a new shape costs, and when MLX raises.
 
 On CUDA, MLX 0.32 hands float16/bfloat16 attention over several queries to cuDNN, which plans
-each shape anew and keeps the plans in a bounded cache (256 by default,
-`MLX_CUDA_SDPA_CACHE_SIZE`); with `MLX_ENABLE_CACHE_THRASHING_CHECK` on, MLX raises once a
-process has missed that cache twice its size. `import dspark_flow` turns the check off unless
-the user set it (dspark_flow/models/backend.py `tolerate_cache_misses`). This script runs fused
-attention of `--queries` queries at `--lengths` key lengths, each new, in a fresh process per
-setting of the check, and reports ms per call and the first error.
+each shape anew and keeps the plans in a cache of 256 (`MLX_CUDA_SDPA_CACHE_SIZE`). With
+`MLX_ENABLE_CACHE_THRASHING_CHECK` on (MLX's default) it raises "Cache thrashing is happening"
+after 512 misses in a row; a hit resets the count (mlx/backend/cuda/lru_cache.h). A model's
+forward calls attention once per layer at one shape, so only its first layer misses. This
+script runs fused attention of `--queries` queries at `--lengths` new key lengths, each length
+`--calls-per-shape` times in a row (1: MLX's worst case; 30: a 30-layer forward), in a fresh
+process per setting, and reports ms per new length and the first error:
+
+* the check on, 1 call per shape;
+* the check on, `--calls-per-shape` calls per shape (default 30);
+* the check off, 1 call per shape.
 
     python benchmarks/attention_plans.py --out attention_plans.json    # on a CUDA machine
 """
@@ -21,12 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-import dspark_flow  # noqa: F401  (first: sets the check off unless the environment set it)
+import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
 
 CHECK_ENV = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 
 
-def _child(queries: int, lengths: int, dtype: str) -> dict[str, object]:
+def _child(queries: int, lengths: int, calls: int, dtype: str) -> dict[str, object]:
+    """Attention at each new length `calls` times; the lengths done and the first error."""
     import mlx.core as mx
 
     kind = getattr(mx, dtype)
@@ -35,16 +41,18 @@ def _child(queries: int, lengths: int, dtype: str) -> dict[str, object]:
     try:
         for n in range(queries, queries + lengths):
             k = mx.random.normal((1, 3, n, 64)).astype(kind)
-            mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask="causal"))
+            for _ in range(calls):
+                mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask="causal"))
             done += 1
     except RuntimeError as exc:  # MLX's "Cache thrashing is happening, ..."
         error = str(exc).splitlines()[0][:160]
     seconds = time.perf_counter() - start
     return {
         "check": os.environ.get(CHECK_ENV),
-        "backend": "cuda" if mx.cuda.is_available() else "other",
+        "calls_per_shape": calls,
+        "backend": "cuda" if mx.cuda.is_available() else "not cuda",
         "lengths_done": done,
-        "ms_per_call": round(seconds / max(done, 1) * 1e3, 2),
+        "ms_per_length": round(seconds / max(done, 1) * 1e3, 2),
         "error": error,
     }
 
@@ -52,26 +60,26 @@ def _child(queries: int, lengths: int, dtype: str) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--queries", type=int, default=3)
-    p.add_argument("--lengths", type=int, default=700, help="new key lengths, one call each")
+    p.add_argument("--lengths", type=int, default=700, help="new key lengths")
+    p.add_argument("--calls-per-shape", type=int, default=30, help="for the second setting")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", type=Path)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--calls", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(args.queries, args.lengths, args.dtype)))
+        print(json.dumps(_child(args.queries, args.lengths, args.calls, args.dtype)))
         return 0
     rows = []
-    for check in ("dspark-flow's default", "1"):
-        env = {k: v for k, v in os.environ.items() if k != CHECK_ENV}  # (ours set it here)
-        if check == "1":
-            env[CHECK_ENV] = "1"  # MLX's own default
-        cmd = [sys.executable, "-P", __file__, "--child", "--queries", str(args.queries),
-               "--lengths", str(args.lengths), "--dtype", args.dtype]  # fmt: skip
+    for check, calls in (("1", 1), ("1", args.calls_per_shape), ("0", 1)):
+        env = {**os.environ, CHECK_ENV: check}  # read as mlx.core loads: set per process
+        cmd = [sys.executable, __file__, "--child", "--queries", str(args.queries),
+               "--lengths", str(args.lengths), "--calls", str(calls), "--dtype", args.dtype]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise SystemExit(f"attention_plans.py: the child failed: {tail[0]}")
-        rows.append({"setting": check, **json.loads(proc.stdout.strip().splitlines()[-1])})
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

@@ -571,7 +571,7 @@ case "${1:-}" in
     done
     grep -E "^compile_layers|tok/s" $O/compile.log
     ;;
-  *) echo "usage: $0 first | more | last | grow-first | grow-more | grow-last | grow-one | grow-bench | caps | kernels | kernels2 | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-sweeps | solo-lookup | solo-pending | solo-gap | solo-compile | solo-new | solo-library | solo-kernel-cache | pair-sweeps" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | caps | kernels | kernels2 | grow-first | grow-more | grow-one | grow-last | grow-bench | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-copy | solo-sources | solo-new | solo-library | solo-kernel-cache | solo-sweeps | pair-sweeps | solo-chat | solo-synthetic | solo-lookup | solo-pending | solo-gap | solo-ab | solo-compile" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"

@@ -11,13 +11,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # Before anything imports mlx.core: let libmlx bind its BLAS calls to OpenBLAS where installed
-# (the mlx[cpu] wheel's own reference BLAS makes float32 forwards 2.6-19x slower), and keep
-# MLX's CUDA caches from raising on many shapes (read when mlx.core loads; backend.py says why).
+# (the mlx[cpu] wheel's own reference BLAS makes float32 forwards 2.6-19x slower).
 from dspark_flow.models.backend import prefer_openblas as _prefer_openblas  # noqa: E402
-from dspark_flow.models.backend import tolerate_cache_misses as _tolerate_cache_misses  # noqa: E402
 
 _prefer_openblas()
-_tolerate_cache_misses()
 
 _EXPORTS = {
     "GenResult": "dspark_flow.result",

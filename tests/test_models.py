@@ -393,26 +393,6 @@ def test_loading_keeps_mlx_compiled_kernels_under_the_home(tmp_path, monkeypatch
     assert os.environ[backend.PTX_CACHE_ENV] == str(tmp_path / "mine")
 
 
-@pytest.mark.parametrize("user_value", [None, "1"])
-def test_import_turns_mlx_cache_thrashing_check_off_unless_set(user_value):
-    """`import dspark_flow` sets MLX_ENABLE_CACHE_THRASHING_CHECK=0 before mlx.core loads (MLX
-    reads it then; with it on, MLX 0.32's CUDA backend raises after 512 attention shapes); a
-    value the user set stays. A fresh process: this one imported mlx long ago."""
-    from dspark_flow.models.backend import THRASHING_CHECK_ENV
-
-    env = {k: v for k, v in os.environ.items() if k != THRASHING_CHECK_ENV}
-    if user_value is not None:
-        env[THRASHING_CHECK_ENV] = user_value
-    code = (
-        "import os, sys; import dspark_flow; import mlx.core; "
-        f"print(os.environ.get({THRASHING_CHECK_ENV!r}))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == (user_value or "0")
-
-
 def test_unknown_builtin():
     with pytest.raises(ModelError, match="smollm2-135m"):
         resolve_model_path("builtin:nope")

@@ -141,27 +141,6 @@ def release_thread_streams() -> None:
         clear()
 
 
-THRASHING_CHECK_ENV = "MLX_ENABLE_CACHE_THRASHING_CHECK"
-
-
-def tolerate_cache_misses() -> bool:
-    """Turn MLX's CUDA cache-thrashing check off unless the user set it; True when set here.
-
-    Why: MLX 0.32.4 keeps cuDNN's attention plans, one per shape (queries, key length), in a
-    256-entry cache and raises "Cache thrashing is happening" once a process has missed it 512
-    times (an H200, 2026-12-02: fused bf16 attention of 3 queries raised at the 513th key
-    length; docs/benchmarks.md §4). Half-precision attention over several queries meets a new
-    shape with every new prompt length and, where a recipe keeps MLX's fused attention, every
-    draft and verify at a longer context, so a server would abort requests once it had seen
-    512 of them. With the check off a miss costs one plan (45-55 ms there). MLX reads the
-    variable when `import mlx.core` creates its CUDA caches, which is why this runs with
-    `prefer_openblas()`, first; no effect off CUDA."""
-    if THRASHING_CHECK_ENV in os.environ:
-        return False
-    os.environ[THRASHING_CHECK_ENV] = "0"
-    return True
-
-
 PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 
 
@@ -170,7 +149,7 @@ def keep_compiled_kernels() -> str | None:
     set one ($MLX_PTX_CACHE_DIR); returns the directory chosen, or None.
 
     Why: MLX compiles some kernels with NVRTC on first use (fused elementwise kernels of
-    `mx.compile`, gathers: 23-41 s before a drafter's first passes on a fresh H200, 2026-12-02)
+    `mx.compile`, gathers: 62-70 s of a new process's start on a fresh H200, 2026-12-02)
     and caches them under the system temp directory, which a reboot or a new container empties.
     MLX reads the variable at its first compilation, so this runs before any model loads. Keyed
     by MLX version and the device's architecture: compiled kernels fit one GPU generation, and
