@@ -7,8 +7,9 @@ that first pass too. Greedy (the quick-start recipe) and a speculative recipe (b
 recipes/dspark.yaml) once per value of one setting (`--vary`, by default the drafter's
 `attention`), all with the CLI's defaults (`--library`: the library's, whose verifier is
 `reference`), decode each prompt in turn, in an order rotated per prompt; then later passes do
-it again. Every output must equal greedy's (exit 1 otherwise). Speedups are reported over all
-prompts and per category (ratios of summed decode times).
+it again. Every output must equal greedy's (exit 1 otherwise; `differed_from_greedy` lists,
+per value, the [prompt, pass] pairs that did not). Speedups are reported over all prompts and
+per category (ratios of summed decode times).
 
     python benchmarks/new_prompts.py --prompts held.jsonl --out new_prompts.json
     python benchmarks/new_prompts.py --prompts held.jsonl --library \
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "library": args.library, "recipe": str(args.recipe), "set": args.overrides,
         "weights": args.weights,
     }  # fmt: skip
-    same = True
+    # per value, the prompts (index, pass) whose output differed from greedy's
+    differed: dict[str, list[list[int]]] = {name: [] for name in names if name != "greedy"}
     for n in range(args.passes):
         label = PASS_LABELS[n] if n < len(PASS_LABELS) else f"pass {n + 1}"
         seconds: dict[str, list[float]] = {name: [] for name in names}  # decode time a prompt
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens[name] = r.token_ids
                 rate = r.decode_tokens_per_sec
                 seconds[name].append((r.num_tokens - 1) / rate if rate > 0 else 0.0)
-            same &= all(t == tokens["greedy"] for t in tokens.values())
+            for name in differed:
+                if tokens[name] != tokens["greedy"]:
+                    differed[name].append([i, n + 1])
         # The outputs are greedy's, so each prompt's tokens are the same in every pipeline:
         # the ratio of decode times is the speedup.
         categories = [row.get("category", "all") for row in rows]
@@ -126,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, row in report[label].items()
         }
         print(label, json.dumps(brief))
+    same = not any(differed.values())
     report["same_tokens"] = same
+    report["differed_from_greedy"] = differed
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     if not same:
-        print("OUTPUT MISMATCH: a speculative output differs from greedy's")
+        where = "; ".join(f"{name}: {len(d)}" for name, d in differed.items() if d)
+        print(f"OUTPUT MISMATCH: outputs differ from greedy's (prompt-passes per value: {where})")
     return 0 if same else 1
 
 

@@ -440,6 +440,7 @@ def test_new_prompts_times_the_first_pass_and_checks_outputs(tmp_path):
     run_benchmark("new_prompts.py", *args)
     figures = json.loads(out.read_text())
     assert figures["same_tokens"] is True and figures["prompts"] == 2
+    assert figures["differed_from_greedy"] == {"fused": [], "matmul": []}
     for label in ("first pass", "second pass"):
         assert set(figures[label]) == {"greedy", "fused", "matmul"}
         assert all(row["decode_seconds"] > 0 for row in figures[label].values())
