@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
+from dspark_flow.bench.fresh_process import run_child
 
 CHECK_ENV = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 
@@ -73,13 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for check, calls in (("1", 1), ("1", args.calls_per_shape), ("0", 1)):
         env = {**os.environ, CHECK_ENV: check}  # read as mlx.core loads: set per process
-        cmd = [sys.executable, __file__, "--child", "--queries", str(args.queries),
-               "--lengths", str(args.lengths), "--calls", str(calls), "--dtype", args.dtype]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise SystemExit(f"attention_plans.py: the child failed: {tail[0]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        child = ["--queries", str(args.queries), "--lengths", str(args.lengths),
+                 "--calls", str(calls), "--dtype", args.dtype]  # fmt: skip
+        rows.append(run_child(__file__, child, env, "the child"))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

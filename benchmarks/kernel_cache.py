@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
+from dspark_flow.bench.fresh_process import run_child
 from dspark_flow.models.backend import PTX_CACHE_ENV
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -68,19 +68,8 @@ def _files(folder: Path) -> int:
 def _run(label: str, env: dict[str, str], max_tokens: int) -> dict[str, object]:
     """One fresh process's figures, with its wall time from launch to exit."""
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--max-tokens", str(max_tokens)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    wall = round(time.perf_counter() - t0, 2)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SystemExit(f"kernel_cache.py: the {label!r} process failed: {tail[0]}")
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"process": label, "wall_s": wall, **row}
+    row = run_child(__file__, ["--max-tokens", str(max_tokens)], env, f"the {label!r} process")
+    return {"process": label, "wall_s": round(time.perf_counter() - t0, 2), **row}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,8 @@ AttentionHook = Callable[..., "mx.array | None"]
 _HOOK: contextvars.ContextVar[AttentionHook | None] = contextvars.ContextVar(
     "dspark_flow_attention_hook", default=None
 )
-_ATTENTION_FN = "scaled_dot_product_attention"
+# The function mlx-lm's model modules call for attention (what the wrapper replaces)
+ATTENTION_FN = "scaled_dot_product_attention"
 # Model modules whose function we wrapped: module name -> (the original function, the owners
 # relying on the wrapper); the last owner to unwrap puts the original back.
 _WRAPPED: dict[str, tuple[Callable[..., Any], set[int]]] = {}
@@ -141,7 +142,7 @@ def _hooked(original: Callable[..., Any]) -> Callable[..., Any]:
 def attention_modules(model: nn.Module) -> list[str]:
     """The Python modules of the model's classes that call mlx-lm's attention function."""
     names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
-    return sorted(n for n in names if callable(getattr(sys.modules.get(n), _ATTENTION_FN, None)))
+    return sorted(n for n in names if callable(getattr(sys.modules.get(n), ATTENTION_FN, None)))
 
 
 def wrap_attention(model: nn.Module, owner: int) -> list[str]:
@@ -151,9 +152,9 @@ def wrap_attention(model: nn.Module, owner: int) -> list[str]:
     for name in names:
         module = sys.modules[name]
         if name not in _WRAPPED:
-            original = getattr(module, _ATTENTION_FN)
+            original = getattr(module, ATTENTION_FN)
             _WRAPPED[name] = (original, set())
-            setattr(module, _ATTENTION_FN, _hooked(original))
+            setattr(module, ATTENTION_FN, _hooked(original))
         _WRAPPED[name][1].add(owner)
     return names
 
@@ -164,5 +165,5 @@ def unwrap_attention(owner: int) -> None:
         original, owners = _WRAPPED[name]
         owners.discard(owner)
         if not owners:
-            setattr(sys.modules[name], _ATTENTION_FN, original)
+            setattr(sys.modules[name], ATTENTION_FN, original)
             del _WRAPPED[name]

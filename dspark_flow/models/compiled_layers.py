@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from dspark_flow.models.attention import ATTENTION_FN
 from dspark_flow.models.fused_projections import Fused, FusedProjections, swiglu_of
 from dspark_flow.models.taps import find_layers
 
@@ -39,7 +40,6 @@ _ACTIVE: contextvars.ContextVar[CompiledLayers | None] = contextvars.ContextVar(
 )
 _BASE = "_dsf_compiled_base"  # class attribute: the class a compiled subclass was made from
 _CLASSES: dict[type, type] = {}
-_ATTENTION_FN = "scaled_dot_product_attention"
 COMPILE_LAYERS_HELP = (
     "compile each decoder layer's MLP and the stateless parts of its attention (mx.compile) "
     "for forwards of up to 16 tokens: fewer host-side operations per verify forward, the same "
@@ -60,9 +60,7 @@ def attention_supported(attn: nn.Module) -> bool:
         return False
     if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):  # qwen3-style: not reproduced here
         return False
-    return callable(
-        getattr(sys.modules.get(base_class(type(attn)).__module__), _ATTENTION_FN, None)
-    )
+    return callable(getattr(sys.modules.get(base_class(type(attn)).__module__), ATTENTION_FN, None))
 
 
 def _mlp_supported(mlp: nn.Module) -> bool:
@@ -111,7 +109,7 @@ def _compiled_attention_call(self: Any, x: mx.array, mask: Any = None, cache: An
     queries, keys, values = pre(x, mx.array(cache.offset, dtype=mx.int32))
     keys, values = cache.update_and_fetch(keys, values)
     # Looked up per call: a verifier may have wrapped the module's function (models/attention.py).
-    attend = getattr(sys.modules[base.__module__], _ATTENTION_FN)
+    attend = getattr(sys.modules[base.__module__], ATTENTION_FN)
     out = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
     return post(out)
 
