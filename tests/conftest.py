@@ -32,7 +32,7 @@ def attention_unwrapped():
 
     with pytest.MonkeyPatch.context() as mp:
         for name, (original, _) in list(attention._WRAPPED.items()):
-            mp.setattr(sys.modules[name], "scaled_dot_product_attention", original)
+            mp.setattr(sys.modules[name], attention.ATTENTION_FN, original)
         mp.setattr(attention, "_WRAPPED", {})
         yield
 
