@@ -623,7 +623,9 @@ def probe_sdpa_stock_span(
 
     fmt = f"attention-hq{q_heads}-hkv{kv_heads}-causal"
     # Version 2: the straddling draw below (version 1 missed it and claimed 3 rows at 2,048).
-    key = ProbeKey.make("sdpa_stock_span", "2", fmt, max_queries, keys, head_dim, dtype_name(dtype))
+    # Version 3: every window of rows, not only the first (2 missed key counts where 2- and
+    # 3-row calls round differently on AVX-512 CPUs).
+    key = ProbeKey.make("sdpa_stock_span", "3", fmt, max_queries, keys, head_dim, dtype_name(dtype))
     lower = max((b for b in KEY_BUCKETS if b < keys), default=0)
     if lower < sv.ONE_PASS_KEYS < keys:
         # MLX picks one pass or two by the call's key count, so a call of this bucket can hold

@@ -364,28 +364,33 @@ def sdpa_vector_rows_reference(
 
 
 def stock_span(q: mx.array, k: mx.array, v: mx.array, scale: float, attention=None) -> int:
-    """The largest M (0..rows of q) such that for every M' <= M MLX's attention over the first
-    M' query rows, causal over the keys those rows see, equals MLX's one-query calls (the twin)
-    bit for bit. Up to that count the invariant mode needs no kernel: on CUDA MLX computes a
-    few float32 query rows with its vector kernel, one row as it computes one (benchmarks §4:
-    stock forwards of 2 and 3 tokens were bitwise equal to one-token ones).
+    """The largest M (0..rows of q) such that for every M' <= M MLX's attention over any M'
+    consecutive query rows, causal over the keys those rows see, equals MLX's one-query calls
+    (the twin) bit for bit. Up to that count the invariant mode needs no kernel: on CUDA MLX
+    computes a few float32 query rows with its vector kernel, one row as it computes one
+    (benchmarks §4: stock forwards of 2 and 3 tokens were bitwise equal to one-token ones).
 
-    Row i of an M'-row call is query i over keys - rows + M' keys, so it sees the keys it sees
-    in the full problem: the twin's rows, computed once, serve every M'. `attention` replaces
-    MLX's (tests)."""
+    Every window, not only the first M' rows: a chunk of the verify starts at any row, and
+    whether MLX's multi-query result matches can depend on the number of keys the chunk
+    holds (this repo's CPU with AVX-512, MLX 0.32.4: 2- and 3-row calls matched at some key
+    counts and not at others, in a period of 4 keys). Row i of a window [s, s + M') is query i
+    over keys - rows + s + M' keys, so it sees the keys it sees in the full problem: the twin's
+    rows, computed once, serve every window. `attention` replaces MLX's (tests)."""
     attention = attention or _mlx_attention
     rows, keys = q.shape[2], k.shape[2]
     singles = sdpa_vector_rows_reference(q, k, v, scale, "causal", attention)
     mx.eval(singles)
     span = 0
     for m in range(1, rows + 1):
-        seen = keys - rows + m
         mask = "causal" if m > 1 else None  # one query goes without a mask, as in mlx-lm
-        many = attention(q[:, :, :m], k[:, :, :seen], v[:, :, :seen], scale, mask)
-        if not mx.array_equal(many, singles[:, :, :m]).item():
-            break
+        for start in range(rows - m + 1):
+            seen = keys - rows + start + m
+            window = attention(q[:, :, start : start + m], k[:, :, :seen], v[:, :, :seen], scale,
+                               mask)  # fmt: skip
+            if not mx.array_equal(window, singles[:, :, start : start + m]).item():
+                return span  # 0: not even one row repeats (a non-deterministic kernel)
         span = m
-    return span  # 0: not even one row repeats (a non-deterministic kernel)
+    return span
 
 
 # Part of every probe key: editing the kernels, their launch or the pass split invalidates the

@@ -15,7 +15,8 @@ with the one-row product of that row, bit for bit, for M = 1..max_rows on random
 
 The CPU (measured 2026-12-01, docs/kernels.md): MLX's float32 forward of the embedded target
 computes 1..3 rows as one row and differs in the last bits from 4 rows on. Its attention is
-what breaks first (3 query rows); its dense matmul keeps 12 rows alike there. `dense_chunked`
+what breaks first (3 query rows, and on an AVX-512 CPU fewer at some key counts: 2026-12-02);
+its dense matmul keeps 12 rows alike there. `dense_chunked`
 and `attention_chunked` give the invariant mode its CPU routes: the same ops, in chunks of
 their spans.
 

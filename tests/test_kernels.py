@@ -872,6 +872,24 @@ def test_attention_stock_span_finds_where_query_rows_start_to_differ(monkeypatch
     assert probe.probe_sdpa_stock_span(6, 512, *HEADS, mx.float32).cached
 
 
+def test_attention_stock_span_checks_every_window_of_rows_not_only_the_first():
+    # Found on an AVX-512 CPU (MLX 0.32.4): 2- and 3-query calls matched one-query calls at
+    # some key counts and not at others, so a chunk starting at a later row of the verify could
+    # differ where the first rows matched. Stand-in: several queries sum another way when the
+    # call holds 3 keys modulo 4. The first rows alone would claim 4 (294 + m keys for m <= 4).
+    q_, k_, v_, scale, _ = a.attention_inputs(6, 300, *HEADS, mx.float32)(0)
+    row_by_row = sv.sdpa_vector_rows_reference
+
+    def off_at_some_key_counts(q_, k_, v_, scale, mask):
+        out = row_by_row(q_, k_, v_, scale, mask)
+        return out * (1 + 1e-6) if q_.shape[2] > 1 and k_.shape[2] % 4 == 3 else out
+
+    assert sv.stock_span(q_, k_, v_, scale, off_at_some_key_counts) == 1
+    # and chunks of the span it finds reproduce the one-query calls at every row
+    singles = row_by_row(q_, k_, v_, scale, "causal")
+    assert mx.array_equal(sr.attention_chunked(1)(q_, k_, v_, scale, "causal"), singles).item()
+
+
 def test_attention_stock_span_sees_calls_straddling_the_one_pass_limit(monkeypatch):
     # MLX picks one pass or two by the call's key count: a call over 1,025 keys whose first row
     # alone sees 1,024 sums that row another way. Only the 2,048-key bucket holds such calls.
