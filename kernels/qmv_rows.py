@@ -2,20 +2,30 @@
 so that each row comes out bit for bit as MLX computes it for a single row.
 
 Why: the verifier's invariant mode needs a token's logits not to depend on how many tokens one
-forward holds. On CUDA, MLX computes 1..7 float32 rows with its qmv kernel, which is
-row-invariant and cheaper per call than any custom kernel (benchmarks §4), and switches to a
-tiled GEMM at 8 rows where K is a multiple of max(64, group size) (the embedded model's
-shapes), which rounds differently; kernels/stock_rows.py measures where, per shape. Past that
-point this kernel repeats qmv's arithmetic for every row, loading each weight once for all of
-them: lane l of the warp that owns an output column takes elements l*8 .. l*8+7 of every
-256-element step, dequantizes them as `q * scale + bias`, keeps one float32 partial sum per
-element (`fma(x, w, sum)`), adds the eight in order and reduces across the warp with
-`cg::reduce`. Equality with MLX is measured, not assumed: the probe compares the kernel with
-MLX's one-row results bit for bit (`bitwise` in the verdict), in two rounding variants of the
-dequantization (fused multiply-add, as nvcc contracts qmv's `w * scale + bias`, or not), and
-the verifier takes it only where one of them is exact.
+forward holds. On CUDA, MLX computes a few rows with its qmv kernel, which is row-invariant and
+cheaper per call than any custom kernel (benchmarks §4), and switches to a tiled GEMM from some
+row count on, which rounds differently: 8 rows for float32 activations where K is a multiple
+of max(64, group size) (the embedded model's shapes), and 8 rows for bfloat16 at Llama-3-8B's
+shapes on the H200 (MLX 0.32.4, measured). kernels/stock_rows.py measures where, per shape.
+Past that point this kernel repeats qmv's arithmetic for every row, loading each weight once
+for the rows of a pass (at most 64 partial sums a lane: `rows_per_pass`). Lane l of the warp
+that owns an output column takes elements l*E .. l*E+E-1 of every 32*E-element step (E = 16
+for 16-bit activations with 4-bit weights, else 8, as qmv), and:
+  * float32 activations: dequantizes in float (`q * scale + bias`) and keeps a float partial
+    sum per element (`fma(x, w, sum)`);
+  * 16-bit activations: dequantizes in the activation type (`q * scale + bias` rounded to it
+    once in the variant that reproduced MLX 0.32.4 on the H200, twice in the other); with
+    4-bit weights the partial sums stay in the activation type (a fused multiply-add rounded
+    once), with 8-bit weights they are float, as qmv keeps them;
+then adds the E partial sums in order in float, reduces across the warp with `cg::reduce` and
+rounds the result to the activation type. Equality with MLX is measured, not assumed: the
+probe compares the kernel with MLX's one-row results bit for bit (`bitwise` in the verdict),
+in two rounding variants of the dequantization (one rounding, as nvcc contracts float32's
+`w * scale + bias` into a fused multiply-add, or two), and the verifier takes it only where
+one of them is exact.
 
-Three implementations share one contract (float32 activations, affine 4- or 8-bit weights):
+Three implementations share one contract (float32, float16 or bfloat16 activations with
+scales of the same type or float32 activations with any scales, affine 4- or 8-bit weights):
   * `qmv_rows_reference`: the twin, MLX's quantized matmul one row at a time (the values the
     kernel must reproduce);
   * `qmv_rows_emulated`: the kernel's summation order in plain MLX ops (checks the layout and
@@ -33,18 +43,50 @@ from typing import Any
 import mlx.core as mx
 
 from dspark_flow.kernels.cuda_common import CUDA_FLOAT_CONVERSIONS, cuda_backend
+from dspark_flow.kernels.qmm_small_m import rows_bucket
 
 KERNEL_NAME = "qmv_rows"
-ELEMS_PER_LANE = 8  # qmv's elems_per_thread for float32 activations
-VARIANTS = (1, 0)  # 1: dequantize with a fused multiply-add (what nvcc makes of qmv's), 0: not
+VARIANTS = (1, 0)  # dequantization rounded once (fused multiply-add) or twice (product, sum)
+HALF_DTYPES = (mx.float16, mx.bfloat16)
 _WARPS = 4  # per block; one warp per output column
+_SUMS_PER_LANE = 64  # partial sums a lane keeps in registers (rows per pass x elements)
 
-_CUDA_HEADER = CUDA_FLOAT_CONVERSIONS + "#include <cooperative_groups/reduce.h>\n"
 
-# Template constants: BITS, GS, MB (rows bucket: a power of two >= M), EPL (elements per lane
-# and step), FUSED (dequantization variant).
+def elems_per_lane(x_dtype: mx.Dtype, bits: int) -> int:
+    """qmv's elements per thread and step: 16 for 16-bit activations with weights of at most
+    4 bits, else 8."""
+    return 16 if x_dtype in HALF_DTYPES and bits <= 4 else 8
+
+
+def rows_per_pass(rows: int, x_dtype: mx.Dtype, bits: int) -> int:
+    """Rows one warp computes per pass (a power of two): at most 64 partial sums a lane, so
+    that 16 rows of 16-bit activations do not spill registers; more rows run as more passes
+    (block rows), each reading the weights again."""
+    return min(rows_bucket(rows), _SUMS_PER_LANE // elems_per_lane(x_dtype, bits))
+
+
+# fma in each accumulation type: one rounding (float: fmaf; 16-bit: the hardware's fma.rn).
+_CUDA_HEADER = (
+    CUDA_FLOAT_CONVERSIONS
+    + r"""#include <cooperative_groups/reduce.h>
+template <bool B, typename A, typename C> struct qr_pick { using type = A; };
+template <typename A, typename C> struct qr_pick<false, A, C> { using type = C; };
+__device__ __forceinline__ float qr_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ __half qr_fma(__half a, __half b, __half c) { return __hfma(a, b, c); }
+__device__ __forceinline__ __nv_bfloat16 qr_fma(__nv_bfloat16 a, __nv_bfloat16 b,
+                                                __nv_bfloat16 c) { return __hfma(a, b, c); }
+"""
+)
+
+# Template constants: T (activation and output type), BITS, GS, RB (rows per pass: block row y
+# computes rows y*RB .. y*RB+RB-1), EPL (elements per lane and step), FUSED (dequantization
+# variant).
 _CUDA_SOURCE = r"""
   constexpr uint32_t kMask = (1u << BITS) - 1u;
+  constexpr bool kWide = sizeof(T) == 4;
+  // qmv's per-element sums: in the activation type for 16-bit activations and sub-byte
+  // weights, else float
+  using Acc = typename qr_pick<!kWide && BITS < 8, T, float>::type;
   const int M = x_shape[0];
   const int K = x_shape[1];
   const int N = w_shape[0];
@@ -55,43 +97,54 @@ _CUDA_SOURCE = r"""
   const uint32_t* wrow = w + size_t(col) * (K * BITS / 32);
   const auto* srow = scales + size_t(col) * (K / GS);
   const auto* brow = biases + size_t(col) * (K / GS);
-  float sums[MB][EPL];
+  const int m0 = blockIdx.y * RB;
+  Acc sums[RB][EPL];
 #pragma unroll
-  for (int m = 0; m < MB; ++m) {
+  for (int m = 0; m < RB; ++m) {
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) sums[m][j] = 0.0f;
+    for (int j = 0; j < EPL; ++j) sums[m][j] = df_from_f<Acc>(0.0f);
   }
-  // idx is a multiple of EPL = 8, so a tile's weights are whole words and its activations
-  // two 16-byte vectors where the row pointer is aligned (loads only: the sums are qmv's).
-  const bool vec = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && K % 4 == 0;
+  // idx is a multiple of EPL, so a tile's weights are whole words and its activations 16-byte
+  // vectors where the row pointer is aligned (loads only: the sums are qmv's).
+  constexpr int kVecs = EPL * int(sizeof(T)) / 16;
+  const bool vec = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && (K * sizeof(T)) % 16 == 0;
   auto tile = [&](int idx) {
     const float s = df_to_f(srow[idx / GS]);
     const float b = df_to_f(brow[idx / GS]);
     uint32_t words[EPL * BITS / 32];
 #pragma unroll
     for (int i = 0; i < EPL * BITS / 32; ++i) words[i] = __ldg(wrow + idx * BITS / 32 + i);
-    float wd[EPL];
+    Acc wd[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const float q = float((words[j * BITS / 32] >> ((j * BITS) % 32)) & kMask);
-      wd[j] = FUSED ? fmaf(q, s, b) : __fadd_rn(__fmul_rn(q, s), b);
+      float v;
+      if constexpr (kWide) {
+        v = FUSED ? fmaf(q, s, b) : __fadd_rn(__fmul_rn(q, s), b);
+      } else {  // in T, rounded once or after each operation (a 16-bit product is exact)
+        v = FUSED ? df_to_f(df_from_f<T>(fmaf(q, s, b)))
+                  : df_to_f(df_from_f<T>(__fadd_rn(df_to_f(df_from_f<T>(__fmul_rn(q, s))), b)));
+      }
+      wd[j] = df_from_f<Acc>(v);
     }
 #pragma unroll
-    for (int m = 0; m < MB; ++m) {
-      if (MB == 1 || m < M) {
-        const float* xm = x + size_t(m) * K + idx;
-        float xv[EPL];
+    for (int m = 0; m < RB; ++m) {
+      if (m0 + m < M) {
+        const T* xm = x + size_t(m0 + m) * K + idx;
+        alignas(16) T xv[EPL];
         if (vec) {
-          const float4 lo = __ldg(reinterpret_cast<const float4*>(xm));
-          const float4 hi = __ldg(reinterpret_cast<const float4*>(xm) + 1);
-          xv[0] = lo.x; xv[1] = lo.y; xv[2] = lo.z; xv[3] = lo.w;
-          xv[4] = hi.x; xv[5] = hi.y; xv[6] = hi.z; xv[7] = hi.w;
+#pragma unroll
+          for (int i = 0; i < kVecs; ++i) {
+            reinterpret_cast<uint4*>(xv)[i] = __ldg(reinterpret_cast<const uint4*>(xm) + i);
+          }
         } else {
 #pragma unroll
           for (int j = 0; j < EPL; ++j) xv[j] = xm[j];
         }
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) sums[m][j] = fmaf(xv[j], wd[j], sums[m][j]);
+        for (int j = 0; j < EPL; ++j) {
+          sums[m][j] = qr_fma(df_from_f<Acc>(df_to_f(xv[j])), wd[j], sums[m][j]);
+        }
       }
     }
   };
@@ -102,13 +155,13 @@ _CUDA_SOURCE = r"""
     if (idx < K) tile(idx);
   }
 #pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    if (MB == 1 || m < M) {
+  for (int m = 0; m < RB; ++m) {
+    if (m0 + m < M) {
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < EPL; ++j) sum += sums[m][j];
+      for (int j = 0; j < EPL; ++j) sum += df_to_f(sums[m][j]);
       sum = cg::reduce(warp, sum, cg::plus<float>());
-      if (lane == 0) out[size_t(m) * N + col] = sum;
+      if (lane == 0) out[size_t(m0 + m) * N + col] = df_from_f<T>(sum);
     }
   }
 """
@@ -131,8 +184,9 @@ def shape_reason(
     s_dtype: mx.Dtype,
     backend: str | None = None,
 ) -> str | None:
-    """Why `qmv_rows` would decline this shape, or None when the kernel would run: CUDA and
-    float32 activations only, else `qmm_small_m`'s limits (format, rows, K, dtypes)."""
+    """Why `qmv_rows` would decline this shape, or None when the kernel would run: CUDA only;
+    16-bit activations with scales of their own type (qmv's arithmetic is in that type);
+    else `qmm_small_m`'s limits (format, rows, K, dtypes)."""
     from dspark_flow.kernels import qmm_small_m
 
     backend = backend if backend is not None else kernel_backend()
@@ -140,8 +194,8 @@ def shape_reason(
         from dspark_flow.models.backend import backend_name
 
         return f"no {KERNEL_NAME} kernel for the {backend_name()} backend"
-    if x_dtype != mx.float32:
-        return f"activations {x_dtype}: the kernel repeats qmv's float32 arithmetic only"
+    if x_dtype in HALF_DTYPES and s_dtype != x_dtype:
+        return f"activations {x_dtype} with scales {s_dtype}: qmv's arithmetic is in one type"
     return qmm_small_m.shape_reason(rows, n, k, bits, group_size, x_dtype, s_dtype, backend)
 
 
@@ -158,22 +212,22 @@ def _kernel() -> Any:
 
 
 def _launch(x2: mx.array, w, scales, biases, group_size: int, bits: int, fused: int) -> mx.array:
-    from dspark_flow.kernels.qmm_small_m import rows_bucket
-
     m, n = x2.shape[0], w.shape[0]
+    rb = rows_per_pass(m, x2.dtype, bits)
     return _kernel()(
         inputs=[x2, w, scales, biases],
         template=[
+            ("T", x2.dtype),
             ("BITS", bits),
             ("GS", group_size),
-            ("MB", rows_bucket(m)),
-            ("EPL", ELEMS_PER_LANE),
+            ("RB", rb),
+            ("EPL", elems_per_lane(x2.dtype, bits)),
             ("FUSED", fused),
         ],  # fmt: skip
-        grid=(-(-n // _WARPS) * _WARPS * 32, 1, 1),
+        grid=(-(-n // _WARPS) * _WARPS * 32, -(-m // rb), 1),
         threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(m, n)],
-        output_dtypes=[mx.float32],
+        output_dtypes=[x2.dtype],
     )[0]
 
 
@@ -244,25 +298,36 @@ def qmv_rows_emulated(
     group_size: int,
     bits: int,
 ) -> mx.array:
-    """The kernel's lane split and summation order in plain MLX (float32; rounding aside):
-    per lane and element a sum over the 256-element steps, then the eight elements, then the
-    lanes. Slow; it checks the layout where no kernel runs."""
+    """The kernel's lane split and summation order in plain MLX (rounding aside): per lane
+    and element a sum over the 32*E-element steps (kept in the activation type where the kernel
+    keeps it there), then the E elements, then the lanes. Slow; it checks the layout where no
+    kernel runs."""
     lead, k = x.shape[:-1], x.shape[-1]
-    n = w.shape[0]
+    n, dtype = w.shape[0], x.dtype
+    epl = elems_per_lane(dtype, bits)
     shifts = mx.arange(32 // bits, dtype=mx.uint32) * bits
     q = ((w[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(n, k).astype(mx.float32)
     s = mx.repeat(scales.astype(mx.float32), group_size, axis=1)
     b = 0.0 if biases is None else mx.repeat(biases.astype(mx.float32), group_size, axis=1)
-    wd = q * s + b  # (n, k)
-    step = 32 * ELEMS_PER_LANE
+    if dtype in HALF_DTYPES:  # dequantized in the activation type: product, then sum, rounded
+        wd = ((q * s).astype(dtype).astype(mx.float32) + b).astype(dtype).astype(mx.float32)
+    else:
+        wd = q * s + b  # (n, k)
+    step = 32 * epl
     pad = -k % step
     xs = mx.pad(x.reshape(-1, k).astype(mx.float32), [(0, 0), (0, pad)])
     wd = mx.pad(wd, [(0, 0), (0, pad)])
     m, steps = xs.shape[0], (k + pad) // step
-    # products (m, n, steps, lanes, elements): element e = r*step + lane*8 + j
-    prod = xs.reshape(m, 1, steps, 32, ELEMS_PER_LANE) * wd.reshape(1, n, steps, 32, ELEMS_PER_LANE)
-    per_lane = prod.sum(axis=2).sum(axis=-1)  # over steps, then the eight elements
-    return per_lane.sum(axis=-1).reshape(*lead, n)
+    # products (m, n, steps, lanes, elements): element e = r*step + lane*E + j
+    prod = xs.reshape(m, 1, steps, 32, epl) * wd.reshape(1, n, steps, 32, epl)
+    if dtype in HALF_DTYPES and bits < 8:  # partial sums rounded to the type every step
+        acc = mx.zeros((m, n, 32, epl), dtype=dtype)
+        for r in range(steps):
+            acc = (acc.astype(mx.float32) + prod[:, :, r]).astype(dtype)
+        per_lane = acc.astype(mx.float32).sum(axis=-1)
+    else:
+        per_lane = prod.sum(axis=2).sum(axis=-1)  # over steps, then the E elements
+    return per_lane.sum(axis=-1).astype(dtype).reshape(*lead, n)
 
 
 # Part of every probe key: editing the kernel or its launch invalidates the cached verdicts (a

@@ -740,6 +740,27 @@ def test_qmv_rows_emulation_agrees_with_mlx_one_row_at_a_time():
         assert "no qmv_rows kernel" in qmv.shape_reason(5, n, k, bits, gs, mx.float32, mx.float32)
 
 
+@pytest.mark.parametrize(("dtype", "tol"), [(mx.bfloat16, 1e-2), (mx.float16, 2e-3)])
+def test_qmv_rows_emulation_in_16_bit_agrees_with_the_exact_product(dtype, tol):
+    # 16-bit activations: 16 elements a lane with 4-bit weights (8 with 8-bit), sums kept in the
+    # activation type with 4-bit weights; K = 1,152 leaves a partial last step either way. The
+    # yardstick is the float32 product: MLX's CPU matmul in bfloat16 (the twin here) sums in
+    # bfloat16 over all of K and strays further (4-7% of the largest output in these shapes)
+    for n, k, bits in [(384, 1152, 4), (256, 1152, 8), (192, 576, 4)]:
+        x, w, s_, b, gs, bits = probe.qmm_inputs(5, n, k, bits, 64, dtype, dtype)(3)
+        out = qmv.qmv_rows_emulated(x, w, s_, b, gs, bits)
+        assert out.dtype == qmv.qmv_rows_reference(x, w, s_, b, gs, bits).dtype == dtype
+        deq = mx.dequantize(w, s_.astype(mx.float32), b.astype(mx.float32), group_size=gs,
+                            bits=bits)  # fmt: skip
+        exact = x.astype(mx.float32) @ deq.T
+        assert 0 < probe.relative_error(out.astype(mx.float32), exact) < tol
+    assert qmv.elems_per_lane(dtype, 4) == 16 and qmv.elems_per_lane(dtype, 8) == 8
+    assert qmv.elems_per_lane(mx.float32, 4) == 8
+    assert qmv.shape_reason(9, 384, 1152, 4, 64, dtype, dtype, backend="cuda") is None
+    mixed = qmv.shape_reason(9, 384, 1152, 4, 64, dtype, mx.float32, backend="cuda")
+    assert "qmv's arithmetic is in one type" in mixed
+
+
 @cpu_only
 def test_invariant_mode_takes_a_kernel_for_every_row_count_when_that_is_cheaper(
     monkeypatch, tiny_quantized
