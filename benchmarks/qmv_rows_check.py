@@ -4,9 +4,10 @@ The invariant verifier takes `qmv_rows` for a layer shape only where its probe f
 bitwise equal to MLX's one-row results; this script shows the same check and the timings over
 many shapes at once, for each activation dtype and dequantization variant. Per case (dtype,
 N x K, bits, rows): whether each variant reproduced MLX bit for bit and its relative error,
-then the median ms of one call of the kernel (in the exact variant), of MLX's matmul one row
-at a time (the invariant mode's other route) and of MLX's matmul over all rows (not
-row-invariant). Random inputs, as the probes draw them.
+then ms per call of the kernel (in the exact variant), of MLX's matmul one row at a time (its
+twin) and of MLX's matmul over all rows (not row-invariant), timed as the probes time them
+(`probe.time_pair`: calls batched per evaluation, alternating with a partner). Random inputs,
+as the probes draw them.
 
     python benchmarks/qmv_rows_check.py --out qmv_rows_check.json   # on a CUDA machine
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import dspark_flow  # noqa: F401  (first: OpenBLAS must bind before mlx.core)
@@ -30,19 +30,6 @@ from dspark_flow.kernels import qmv_rows as qr
 
 HALF_SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (2048, 2048), (6144, 2048)]
 EMBEDDED = [(1536, 576, 4, 32), (576, 1536, 4, 32), (49152, 576, 8, 32)]
-
-
-def median_ms(fn, reps: int) -> float:
-    import mlx.core as mx
-
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def cases(dtypes: list[str]) -> list[tuple[str, int, int, int, int]]:
@@ -55,12 +42,13 @@ def cases(dtypes: list[str]) -> list[tuple[str, int, int, int, int]]:
     return out
 
 
-def check(name: str, n: int, k: int, bits: int, gs: int, rows: int, reps: int) -> dict:
+def check(name: str, n: int, k: int, bits: int, gs: int, rows: int, trials: int) -> dict:
     import mlx.core as mx
 
     dtype = getattr(mx, name)
-    x, w, s, b, gs, bits = probe.qmm_inputs(rows, n, k, bits, gs, dtype, dtype)(rows)
-    ref = qr.qmv_rows_reference(x, w, s, b, gs, bits)
+    inputs = probe.qmm_inputs(rows, n, k, bits, gs, dtype, dtype)(rows)
+    x, w, s, b, gs, bits = inputs
+    ref = qr.qmv_rows_reference(*inputs)
     row = {"dtype": name, "n": n, "k": k, "bits": bits, "group_size": gs, "rows": rows}
     exact = None
     for fused in qr.VARIANTS:
@@ -70,12 +58,15 @@ def check(name: str, n: int, k: int, bits: int, gs: int, rows: int, reps: int) -
         if exact is None and row[f"bitwise_variant{fused}"]:
             exact = fused
     row["exact_variant"] = exact
-    timed = exact if exact is not None else qr.VARIANTS[0]
-    row["kernel_ms"] = median_ms(lambda: qr.qmv_rows_trusted(x, w, s, b, gs, bits, timed), reps)
-    row["per_row_ms"] = median_ms(lambda: qr.qmv_rows_reference(x, w, s, b, gs, bits), reps)
-    row["stock_ms"] = median_ms(
-        lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits), reps
+    kernel = qr.variant(exact if exact is not None else qr.VARIANTS[0])
+
+    def stock(x, w, s, b, gs, bits):
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+
+    row["kernel_ms"], row["per_row_ms"] = probe.time_pair(
+        kernel, qr.qmv_rows_reference, inputs, trials=trials
     )
+    row["stock_ms"], _ = probe.time_pair(stock, kernel, inputs, trials=trials)  # a partner
     return row
 
 
@@ -83,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--trials", type=int, default=7, help="timing trials per case (medians)")
     ap.add_argument("--out", type=Path, default=Path("qmv_rows_check.json"))
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")
@@ -98,7 +89,7 @@ def main() -> int:
     results = []
     for name, n, k, bits, gs in cases(dtypes):
         for r in rows:
-            row = check(name, n, k, bits, gs, r, args.reps)
+            row = check(name, n, k, bits, gs, r, args.trials)
             results.append(row)
             print(
                 f"{name:8} {n:6}x{k:<6} b{bits} rows {r:2}  exact variant {row['exact_variant']}"

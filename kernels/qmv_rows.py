@@ -313,8 +313,8 @@ def qmv_rows_emulated(
     q = ((w[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(n, k).astype(mx.float32)
     s = mx.repeat(scales.astype(mx.float32), group_size, axis=1)
     b = 0.0 if biases is None else mx.repeat(biases.astype(mx.float32), group_size, axis=1)
-    wd = q * s + b  # (n, k); 16-bit: rounded once to the activation type, as in variant 1 (the
-    if dtype in HALF_DTYPES:  # variant that reproduced MLX)
+    wd = q * s + b  # (n, k)
+    if dtype in HALF_DTYPES:  # rounded once to the activation type: variant 1, MLX's
         wd = wd.astype(dtype).astype(mx.float32)
     step = 32 * epl
     pad = -k % step
