@@ -3,7 +3,8 @@
 `auto` drafts nothing where drafting would lose (chat, mostly), so those rounds should cost what
 plain decoding does. On the H200's sweep of 2026-12-02 the DSpark pipeline's one-row rounds took
 6.85 ms in the loop against 5.46 ms a token for greedy (docs/benchmarks.md §3). This decodes the
-same prompts with greedy and with the shipped DSpark drafter's pipeline forced to draft nothing,
+same prompts with greedy and with a shipped drafter's pipeline (`--drafter`, DSpark by default)
+forced to draft nothing,
 interleaved, and reports ms per token and the median of the paired ratios. `--eager-features`
 adds a pipeline that evaluates the target features the drafter keeps for its next pass
 with each round's forward (so the forward's buffers are not held until then). `--parts` adds the
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--parts", action="store_true", help="add `auto` and split rounds by strategy call"
     )
+    p.add_argument(
+        "--drafter", choices=("dspark", "dflash"), default="dspark", help="the shipped drafter"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
 
@@ -151,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = load_target("builtin:smollm2-135m")
     stops = [{"kind": "eos"}, {"kind": "max_tokens", "limit": args.max_tokens}]
+    kind = args.drafter
     drafter = {
-        "kind": "dspark",
-        "checkpoint": "builtin:smollm2-135m-dspark",
+        "kind": kind,
+        "checkpoint": f"builtin:smollm2-135m-{kind}",
         "draft_vocab": 8192,
         "prompt_lookup": True,
     }
@@ -164,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             recipe["draft_cap"] = cap or {"kind": "fixed", "k": 1}
         return Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
 
-    pipes = {"greedy": build({"kind": "none"}), "dspark, k = 0": never_draft(build(drafter))}
+    pipes = {"greedy": build({"kind": "none"}), f"{kind}, k = 0": never_draft(build(drafter))}
     if args.eager_features:
-        pipes["dspark, k = 0, eager features"] = eager_features(never_draft(build(drafter)))
+        pipes[f"{kind}, k = 0, eager features"] = eager_features(never_draft(build(drafter)))
     if args.parts:
-        pipes["dspark, auto"] = build(drafter, {"kind": "auto"})
+        pipes[f"{kind}, auto"] = build(drafter, {"kind": "auto"})
     parts: dict[str, dict[str, float]] = {name: {} for name in pipes}
     rounds: dict[str, int] = dict.fromkeys(pipes, 0)
     decode_s: dict[str, float] = dict.fromkeys(pipes, 0.0)
