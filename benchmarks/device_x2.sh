@@ -511,10 +511,11 @@ case "${1:-}" in
     ;;
   solo-synthetic)  # issue 9 where matmuls set the cost: verdicts, cost curve and invariance on
     # a random-weight target of SHAPE's shapes (default llama3-8b; kernels_device.py SYNTHETIC),
-    # 4-bit stock / `kernels` / invariant, and bf16 with DENSE=1. KTARGETS overrides the list
-    # (4bit-stock always runs): KTARGETS=4bit-invariant skips the `kernels` target's probes,
-    # 421 of a fresh machine's first 486 s on 2026-12-02
-    t=${KTARGETS:-4bit-kernels,4bit-invariant}; [ -z "${DENSE:-}" ] || t=$t,dense,dense-kernels
+    # 4-bit stock / `kernels` / invariant, and bf16 with DENSE=1. SYN_TARGETS overrides the
+    # 4-bit list (4bit-stock always runs): SYN_TARGETS=4bit-invariant skips the `kernels`
+    # target's probes (a fresh machine's first call at Llama-3-8B's shapes probed for 451 s on
+    # 2026-12-02 and was cut before its curve, docs/benchmarks.md §4)
+    t=${SYN_TARGETS:-4bit-kernels,4bit-invariant}; [ -z "${DENSE:-}" ] || t=$t,dense,dense-kernels
     CUDA_VISIBLE_DEVICES=0 timeout $(upto 15) python3 -P benchmarks/kernels_device.py \
       --synthetic "${SHAPE:-llama3-8b}" --budget $(upto 30) --targets $t \
       --out /tmp/kern-syn > $O/synthetic.log 2>&1 || ended $? "kernels_device --synthetic"

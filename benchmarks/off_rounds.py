@@ -4,15 +4,15 @@
 plain decoding does. On the H200's sweep of 2026-12-02 the DSpark pipeline's one-row rounds took
 6.85 ms in the loop against 5.46 ms a token for greedy (docs/benchmarks.md §3). This decodes the
 same prompts with greedy and with a shipped drafter's pipeline (`--drafter`, DSpark by default)
-forced to draft nothing,
-interleaved, and reports ms per token and the median of the paired ratios. `--eager-features`
-adds a pipeline that evaluates the target features the drafter keeps for its next pass
-with each round's forward (so the forward's buffers are not held until then). `--parts` adds the
-shipped recipe's pipeline (`auto`) and splits each pipeline's rounds by strategy call: host time
-per round in each call (the verifier's forward only builds the graph; the sampler's verify waits
-for the device), the loop's `mx.async_eval` of a lazy draft, and the rest of the loop.
+forced to draft nothing, interleaved, and reports ms per token and the median of the paired
+ratios. `--eager-features` adds a pipeline that evaluates the target features the drafter keeps
+for its next pass with each round's forward (so the forward's buffers are not held until then).
+`--parts` adds the shipped recipe's pipeline (`auto`) and splits each pipeline's rounds by
+strategy call: host time per round in each call (the verifier's forward only builds the graph;
+the sampler's verify waits for the device), the loop's `mx.async_eval` of a lazy draft, and the
+rest of the loop.
 
-    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts]
+    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts] [--drafter dflash]
 """
 
 from __future__ import annotations
