@@ -19,9 +19,9 @@ Equality with MLX is measured, not assumed: the probe compares each row with MLX
 call over that row's keys, bit for bit (`bitwise` in the verdict), and the verifier's invariant
 mode takes this kernel only where it is exact. Written against MLX 0.32's CUDA source; on the
 H200 (2026-11-30, benchmarks §4) bitwise equal to MLX at 2..16 rows in every key bucket. Up
-to the rows MLX's own attention computes as one (`stock_span`; 3 there by the probe's version
-2, which checked the first rows only; not measured again) the invariant mode keeps MLX's kernel
-and runs this one past them.
+to the rows MLX's own attention computes as one (`stock_span`; on the H200 with every window
+checked, 2026-12-02: 3 at the 512- and 8,192-key buckets, 1 at 2,048) the invariant mode keeps
+MLX's kernel and runs this one past them.
 
 Implementations: `sdpa_vector_rows_reference` (the twin: MLX's attention one query row at a time,
 over that row's causal keys), `sdpa_vector_rows` (the dispatcher: CUDA and float32 only, else
