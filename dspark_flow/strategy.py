@@ -196,6 +196,13 @@ class DraftCap(Strategy):
             if method is not None and not _takes_source(method):
                 setattr(cls, name, _without_source(method))
 
+    @property
+    def reads_source(self) -> bool:
+        """Whether `choose` and `observe` use the round's source. When not, the loop does not
+        ask the drafter (a copy search every round, also in rounds that draft nothing) and
+        passes `DRAFTER_SOURCE`."""
+        return True
+
     def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         """How many tokens to draft this round, whose draft comes from `source`."""
         raise NotImplementedError

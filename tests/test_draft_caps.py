@@ -463,6 +463,40 @@ def test_auto_probes_cost_what_they_are_expected_to_lose():
     assert sum(k > 0 for k in run(300, 0.5)[100:]) >= 150
 
 
+def test_auto_reuses_its_off_decision_until_something_it_rests_on_moves(monkeypatch):
+    """An off round learns nothing, so the next one needs no new plan (planning took 0.15 ms a
+    round on a 2-core CPU); the rounds choose exactly what planning every round chooses."""
+    from dspark_flow.calibration import controller
+
+    curves = synthetic(lambda K: 1 + 0.3 * (K - 1), depths=(64, 2048))
+    cfg = AutoCapConfig(probe_every=4, probe_k=2)
+    tables = {"n": 0}
+    real_table = controller.plan_table
+
+    def counted(*args, **kwargs):
+        tables["n"] += 1
+        return real_table(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "plan_table", counted)
+
+    def run(reuse: bool) -> tuple[list[tuple[int, int]], int]:
+        cap = AutoCap(cfg, curves=curves)
+        cap.begin(list(range(100)))
+        if not reuse:
+            fresh = iter(range(10**6))
+            cap._situation = lambda limit: next(fresh)  # never the same: plan every round
+        tables["n"] = 0
+        rounds = geometric_rounds(cap, random.Random(1), 0.15, 400, 16)
+        return rounds, tables["n"]
+
+    reused, planned_reusing = run(True)
+    replanned, planned_every_round = run(False)
+    assert reused == replanned
+    off = sum(1 for k, _ in reused if k == 0)
+    assert off > 200  # mostly off: drafts are accepted 15% of the time
+    assert planned_reusing < planned_every_round / 3
+
+
 def test_auto_keeps_learning_past_the_first_position():
     # Verifying 2 or 3 rows costs the same, 4 and more 1.5x (the 4-bit CUDA matmul step).
     curves = synthetic(lambda K: 1.0 if K <= 3 else 1.5, block=7)

@@ -152,6 +152,10 @@ class SourceState:
     single_rounds: int = 0  # rounds planned at one token since the last two-token probe
     planned_k: int = 0  # the last k chosen from the plan (not a probe): what a margin keeps
     last_k: int = 0
+    # While off, rounds bring no evidence, so the decision holds until something it depends on
+    # moves (`CurveCap._situation`): the situation it was taken in, and its rounds between probes.
+    off_key: tuple[Any, ...] | None = None
+    off_every: int | None = None
 
 
 class CurveCapConfig(StrategyConfig):
@@ -415,6 +419,12 @@ class CurveCap(DraftCap):
         step = OFFSET_STEP * self.curves.verify_cost(1, 0)
         return round(offset / step) * step if step > 0 else 0.0
 
+    @property
+    def reads_source(self) -> bool:
+        """Only rounds planned apart by source need it; otherwise every round is the
+        drafter's."""
+        return self.config.plan_sources_apart
+
     def _round_from(self, source: str) -> None:
         """Plan and learn this round as `source`'s (every round as the drafter's, without
         `plan_sources_apart`)."""
@@ -429,6 +439,11 @@ class CurveCap(DraftCap):
 
     def _choose(self, drafter_max: int | None) -> int:
         limit = self.limit(drafter_max)
+        state = self.current
+        if self.adaptive and state.off_key is not None:
+            situation = self._situation(limit)
+            if situation == state.off_key:  # off, and nothing the decision rests on has moved
+                return self._off_round(state, state.off_every, limit)
         plan = self.plan(drafter_max)
         if plan is None:
             log.warning("draft cap used before warm_up(); drafting a fixed k", k=FALLBACK_K)
@@ -437,7 +452,7 @@ class CurveCap(DraftCap):
             return plan.k
         cfg = self.config
         min_gain = getattr(cfg, "min_gain", 1.0)
-        state = self.current
+        state.off_key = None
         if plan.gain >= min_gain or self._unsure_it_loses(drafter_max, min_gain):
             state.off_rounds = 0
             state.planned_k = plan.k  # the probe of two below does not count as a choice
@@ -462,12 +477,34 @@ class CurveCap(DraftCap):
         # Plain decoding is expected to be faster; still draft a little now and then, since the
         # estimate only moves on rounds that draft.
         state.single_rounds = state.planned_k = 0
+        state.off_every = self._probe_every(limit)
+        state.off_key = self._situation(limit)
+        return self._off_round(state, state.off_every, limit)
+
+    def _off_round(self, state: SourceState, every: int | None, limit: int) -> int:
+        """A round while off: 0, or a probe once every `every` rounds (never if None)."""
         state.off_rounds += 1
-        every = self._probe_every(limit)
         if every is not None and state.off_rounds >= every:
             state.off_rounds = 0
-            return min(getattr(cfg, "probe_k", 2), limit)
+            return min(getattr(self.config, "probe_k", 2), limit)
         return 0
+
+    def _situation(self, limit: int) -> tuple[Any, ...]:
+        """What the off decision and its probe spacing depend on that can change between
+        rounds. An off round moves none of the estimates, so the next one meets the same
+        situation unless the context crossed a depth step or the learnt round cost moved: the
+        decision is then reused, which keeps an off round's bookkeeping to a few microseconds
+        (planning it again took 0.15 ms on a 2-core CPU, ~3% of an H200 round of the embedded
+        model: docs/benchmarks.md §3)."""
+        lengths = self.lengths
+        return (
+            self._source,
+            self.estimator.version,
+            None if lengths is None else lengths.version,
+            self.depth // DEPTH_STEP,
+            limit,
+            self.cost_offset(),
+        )
 
     def _unsure_it_loses(self, drafter_max: int | None, min_gain: float) -> bool:
         """The estimate says plain decoding is faster, but does the evidence say so firmly?

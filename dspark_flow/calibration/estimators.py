@@ -140,6 +140,7 @@ class AcceptanceEstimator:
         decay = 1.0 - 1.0 / max(window, 1.0)
         self.first = _Rate(prior, prior_weight, decay)
         self.next = _Rate(prior, prior_weight, decay)
+        self.version = 0  # moves whenever the rates may have: a decision taken on them is stale
 
     @property
     def p_first(self) -> float:
@@ -155,10 +156,12 @@ class AcceptanceEstimator:
         prior, but worth only `carry_weight` trials, so this request's rounds soon dominate."""
         self.first.cap_weight(carry_weight)
         self.next.cap_weight(carry_weight)
+        self.version += 1
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:  # nothing drafted: no evidence about acceptance
             return
+        self.version += 1
         accepted = max(0, min(accepted, proposed))
         self.first.add(1.0 if accepted else 0.0, 0.0 if accepted else 1.0)
         if accepted and proposed > 1:  # positions 2..proposed were only reached if the first was
@@ -181,10 +184,12 @@ class LengthEstimator:
         self.decay = 1.0 - 1.0 / max(window, 1.0)
         self.events = [0.0] * (block + 1)  # events[n]: rounds that proposed exactly n < cap
         self.censored = [0.0] * (block + 1)  # censored[c]: rounds cut at their cap c
+        self.version = 0  # moves whenever the counts do
 
     def update(self, cap: int, proposed: int) -> None:
         if cap <= 0:  # nothing was asked for: nothing learnt
             return
+        self.version += 1
         cap, proposed = min(cap, self.block), max(0, min(proposed, cap, self.block))
         self.events = [self.decay * e for e in self.events]
         self.censored = [self.decay * c for c in self.censored]
@@ -194,6 +199,7 @@ class LengthEstimator:
             self.censored[cap] += 1.0
 
     def new_request(self, carry_weight: float) -> None:
+        self.version += 1
         total = sum(self.events) + sum(self.censored)
         if total > carry_weight > 0:
             self.events = [e * carry_weight / total for e in self.events]

@@ -143,8 +143,14 @@ def decode(
         source, k = DRAFTER_SOURCE, 0
         if drafting:  # plain decoding never needs the whole history
             history = prompt_ids + generated
-            source = c.drafter.source(history)
+            # A cap that does not read the source is told it only for rounds that draft (its
+            # observe() logs still say which copied): a round drafting nothing skips the search.
+            reads = c.draft_cap.reads_source
+            if reads:
+                source = c.drafter.source(history)
             k = c.draft_cap.choose(c.drafter.max_draft, source)
+            if k > 0 and not reads:
+                source = c.drafter.source(history)
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
         draft = c.drafter.propose(history, k) if k > 0 else Draft()

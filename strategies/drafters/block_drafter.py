@@ -271,7 +271,8 @@ class BlockDrafter(Drafter):
                 f"{self.spec.target_layer_ids}; the verifier must run the target's own layers "
                 "(use verifier 'reference')"
             )
-        self._pending.append(feats[:, :committed])
+        # Rounds that draft nothing, or whose drafts were all accepted, keep every row.
+        self._pending.append(feats if committed == feats.shape[1] else feats[:, :committed])
         self._rows += committed
 
     def _sync_context(self, history: list[int]) -> None:
