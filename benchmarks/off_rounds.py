@@ -10,9 +10,14 @@ for its next pass with each round's forward (so the forward's buffers are not he
 `--parts` adds the shipped recipe's pipeline (`auto`) and splits each pipeline's rounds by
 strategy call: host time per round in each call (the verifier's forward only builds the graph;
 the sampler's verify waits for the device), the loop's `mx.async_eval` of a lazy draft, and the
-rest of the loop.
+rest of the loop. `--rounds` (with `--parts`) also sums the `auto` pipeline's rounds by kind:
+off, probe or planned draft, and for drafting rounds how many committed rows the drafter's
+pass had to take in first and whether that many was new to the process (a new shape), against
+greedy's step and against what the calibration curves charge them (without the offset `auto`
+learns), so a loss to greedy can be put on the kind of round that makes it.
 
-    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts] [--drafter dflash]
+    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts [--rounds]]
+        [--drafter dflash]
 """
 
 from __future__ import annotations
@@ -99,6 +104,89 @@ def _time_loop_async_eval() -> None:
     decode._timed_mx = decode.mx = TimedMx()  # type: ignore[attr-defined]
 
 
+def record_round_kinds(
+    pipe: Any, log: list[dict[str, Any]], parts: dict[str, float] | None = None
+) -> Any:
+    """Log each round of `pipe` (an `auto` pipeline) after the prefill: k chosen, whether the
+    cap was off (a probe is a draft chosen while off), tokens accepted, seconds, and for a
+    round that ran the drafter's pass the rows it took in first (the rows committed since its
+    last pass) and whether that count was new to the process. With `parts` (the pipeline's
+    `time_calls` figures, wrapped before this), also each round's host seconds per call."""
+    cap, drafter = pipe.draft_cap, pipe.drafter
+    choose, propose, observe = cap.choose, drafter.propose, cap.observe
+    seen: set[int] = set()
+    current: dict[str, Any] = {}
+    last_parts: dict[str, float] = dict(parts or {})
+
+    def chosen(drafter_max: Any, source: str = "drafter") -> int:
+        k = choose(drafter_max, source)
+        current.clear()
+        # `auto` keeps the situation it switched off in while off, probes included
+        current.update(k=k, off=getattr(cap.current, "off_key", None) is not None)
+        return k
+
+    def proposed(history: list[int], k: int) -> Any:
+        rows = sum(int(p.shape[1]) for p in getattr(drafter, "_pending", []))
+        current.update(rows_in=rows, new_rows=rows not in seen)
+        seen.add(rows)
+        return propose(history, k)
+
+    def observed(proposed_n: int, accepted: int, seconds: float, source: str = "drafter") -> None:
+        curves = getattr(cap, "curves", None)  # what the curves charge it, at its depth
+        copied = source == "copy"
+        charged = curves.round_cost(proposed_n, cap.depth, not copied) if curves else 0.0
+        observe(proposed_n, accepted, seconds, source)
+        if _DECODING[0] is not None and current:
+            entry = {**current, "accepted": accepted, "seconds": seconds, "source": source}
+            entry["charged"] = charged
+            if parts is not None:  # this round's calls: the figures' growth since the last
+                entry["parts"] = {c: t - last_parts.get(c, 0.0) for c, t in parts.items()}
+                last_parts.clear()
+                last_parts.update(parts)
+            log.append(entry)
+
+    cap.choose, drafter.propose, cap.observe = chosen, proposed, observed
+    return pipe
+
+
+def summarise_round_kinds(log: list[dict[str, Any]], greedy_ms: float) -> dict[str, Any]:
+    """Rounds by kind: count, tokens committed, ms per round, and the time they took beyond
+    what greedy's step would have taken for the same tokens (ms, summed over the rounds)."""
+    out: dict[str, Any] = {}
+
+    def kind(r: dict[str, Any]) -> str:
+        if r["k"] == 0:
+            return "off"
+        base = "probe" if r["off"] else "draft"
+        if r.get("source") == "copy":
+            return f"{base}, copied"
+        big = "over 16 rows in" if r.get("rows_in", 0) > 16 else "16 rows in or fewer"
+        return f"{base}, {'new' if r.get('new_rows') else 'seen'} row count, {big}"
+
+    for r in log:
+        entry = out.setdefault(
+            kind(r), {"rounds": 0, "tokens": 0, "ms": 0.0, "charged_ms": 0.0, "calls_ms": {}}
+        )
+        entry["rounds"] += 1
+        entry["tokens"] += r["accepted"] + 1
+        entry["ms"] += 1000.0 * r["seconds"]
+        entry["charged_ms"] += 1000.0 * r.get("charged", 0.0)
+        for call, t in r.get("parts", {}).items():
+            entry["calls_ms"][call] = entry["calls_ms"].get(call, 0.0) + 1000.0 * t
+    for entry in out.values():
+        entry["ms_per_round"] = round(entry["ms"] / entry["rounds"], 3)
+        entry["ms_beyond_greedy"] = round(entry["ms"] - entry["tokens"] * greedy_ms, 1)
+        charged = entry.pop("charged_ms")
+        entry["measured_over_charged"] = round(entry["ms"] / charged, 3) if charged else None
+        entry["ms"] = round(entry["ms"], 1)
+        calls = entry.pop("calls_ms")
+        if calls:  # host ms per round in each call
+            entry["calls_ms_per_round"] = {
+                c: round(t / entry["rounds"], 3) for c, t in calls.items()
+            }
+    return out
+
+
 def time_calls(pipe: Any, seconds: dict[str, float]) -> Any:
     """Wrap the pipeline's per-round strategy calls (and the loop's async_eval of a lazy draft)
     so each adds its host time to `seconds`, counting only calls after the prompt's prefill
@@ -145,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         "--parts", action="store_true", help="add `auto` and split rounds by strategy call"
     )
     p.add_argument(
+        "--rounds", action="store_true", help="with --parts: sum the `auto` rounds by kind"
+    )
+    p.add_argument(
         "--drafter", choices=("dspark", "dflash"), default="dspark", help="the shipped drafter"
     )
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
@@ -180,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines()]
     ms: dict[str, list[float]] = {name: [] for name in pipes}
     names = list(pipes)
+    round_log: list[dict[str, Any]] = []
     for trial in range(args.trials + 1):  # the first pass warms every shape up, untimed
         if trial == 1 and args.parts:
             for name, pipe in pipes.items():
                 time_calls(pipe, parts[name])
+            if args.rounds:
+                auto = f"{kind}, auto"
+                record_round_kinds(pipes[auto], round_log, parts[auto])
         for i, prompt in enumerate(prompts):
             shift = (trial + i) % len(names)
             for name in names[shift:] + names[:shift]:  # rotated: no mode always runs first
@@ -213,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             report[name]["ms_per_round"] = {k: round(v, 4) for k, v in per_round.items()}
             print("  " + ", ".join(f"{k} {v:.3f}" for k, v in per_round.items()))
+    if round_log:
+        greedy_ms = 1000.0 * decode_s["greedy"] / max(rounds["greedy"], 1)
+        report["auto rounds by kind"] = summarise_round_kinds(round_log, greedy_ms)
+        print(f"auto's rounds by kind (greedy's step {greedy_ms:.3f} ms):")
+        for name, entry in report["auto rounds by kind"].items():
+            print(f"  {name}: {entry}")
     if args.out:
         args.out.write_text(json.dumps({"prompts": len(prompts), **report}, indent=1))
     return 0

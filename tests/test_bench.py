@@ -515,6 +515,40 @@ def test_off_rounds_parts_count_the_decoding_calls_only(embedded, monkeypatch):
     assert seconds == before  # each pipeline's calls go to its own figures
 
 
+def test_off_rounds_sums_auto_s_rounds_by_kind(embedded, monkeypatch):
+    """off_rounds.py --rounds: every round after the prefill is logged once, with its calls'
+    host time, and the summary by kind adds up to the tokens the rounds committed."""
+    from dspark_flow.engine import decode
+    from dspark_flow.pipeline import Pipeline
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import off_rounds
+    from off_rounds import record_round_kinds, summarise_round_kinds, time_calls
+
+    monkeypatch.setattr(decode, "mx", decode.mx)
+    monkeypatch.setattr(decode, "_timed_mx", None, raising=False)
+    monkeypatch.setattr(off_rounds, "_DECODING", [None])
+    recipe = {
+        "drafter": {"kind": "dspark", "checkpoint": "builtin:smollm2-135m-dspark"},
+        "draft_cap": {"kind": "auto", "depths": [16, 64], "repeats": 1, "warmup": 0},
+    }
+    pipe = Pipeline.from_dict(recipe, target=embedded).warm_up()
+    parts: dict[str, float] = {}
+    log: list[dict] = []
+    time_calls(pipe, parts)
+    record_round_kinds(pipe, log, parts)
+    r = pipe.generate("Write a Python function that adds two numbers.", max_new_tokens=12)
+    assert len(log) == r.num_rounds
+    assert sum(e["accepted"] + 1 for e in log) == r.num_tokens - 1
+    assert all(e["parts"]["draft_cap.choose"] > 0 for e in log)
+    assert sum(sum(e["parts"].values()) for e in log) == pytest.approx(sum(parts.values()))
+    kinds = summarise_round_kinds(log, greedy_ms=1.0)
+    assert sum(k["tokens"] for k in kinds.values()) == r.num_tokens - 1
+    assert sum(k["rounds"] for k in kinds.values()) == r.num_rounds
+    drafted = [e for e in log if e["k"] > 0 and e["source"] != "copy"]
+    assert drafted and all("rows_in" in e for e in drafted)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
 def test_mixed_drafter_kinds_are_flagged_on_a_gpu(monkeypatch, backend):
     """A DSpark and a DFlash recipe in one bench: a warning on GPU backends (measured there to
