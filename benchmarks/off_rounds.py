@@ -14,10 +14,11 @@ rest of the loop. `--rounds` (with `--parts`) also sums the `auto` pipeline's ro
 off, probe or planned draft, and for drafting rounds how many committed rows the drafter's
 pass had to take in first and whether that many was new to the process (a new shape), against
 greedy's step and against what the calibration curves charge them (without the offset `auto`
-learns), so a loss to greedy can be put on the kind of round that makes it.
+learns), so a loss to greedy can be put on the kind of round that makes it. `--variant JSON`
+adds a second `auto` pipeline with those settings, timed and summed alike.
 
-    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts [--rounds]]
-        [--drafter dflash]
+    python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts [--rounds]
+        [--variant JSON]] [--drafter dflash]
 """
 
 from __future__ import annotations
@@ -150,8 +151,9 @@ def record_round_kinds(
 
 
 def summarise_round_kinds(log: list[dict[str, Any]], greedy_ms: float) -> dict[str, Any]:
-    """Rounds by kind: count, tokens committed, ms per round, and the time they took beyond
-    what greedy's step would have taken for the same tokens (ms, summed over the rounds)."""
+    """Rounds by kind: count, rounds per k chosen, tokens committed, ms per round, and the time
+    they took beyond what greedy's step would have taken for the same tokens (ms, summed over
+    the rounds)."""
     out: dict[str, Any] = {}
 
     def kind(r: dict[str, Any]) -> str:
@@ -168,6 +170,8 @@ def summarise_round_kinds(log: list[dict[str, Any]], greedy_ms: float) -> dict[s
             kind(r), {"rounds": 0, "tokens": 0, "ms": 0.0, "charged_ms": 0.0, "calls_ms": {}}
         )
         entry["rounds"] += 1
+        entry.setdefault("k", {})
+        entry["k"][r["k"]] = entry["k"].get(r["k"], 0) + 1
         entry["tokens"] += r["accepted"] + 1
         entry["ms"] += 1000.0 * r["seconds"]
         entry["charged_ms"] += 1000.0 * r.get("charged", 0.0)
@@ -236,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", action="store_true", help="with --parts: sum the `auto` rounds by kind"
     )
     p.add_argument(
+        "--variant",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="with --parts: a second `auto` with these settings, e.g. '{\"off_confidence\": 0.7}'",
+    )
+    p.add_argument(
         "--drafter", choices=("dspark", "dflash"), default="dspark", help="the shipped drafter"
     )
     p.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
@@ -263,22 +274,27 @@ def main(argv: list[str] | None = None) -> int:
     pipes = {"greedy": build({"kind": "none"}), f"{kind}, k = 0": never_draft(build(drafter))}
     if args.eager_features:
         pipes[f"{kind}, k = 0, eager features"] = eager_features(never_draft(build(drafter)))
+    autos = []
     if args.parts:
-        pipes[f"{kind}, auto"] = build(drafter, {"kind": "auto"})
+        autos.append(f"{kind}, auto")
+        pipes[autos[-1]] = build(drafter, {"kind": "auto"})
+        if args.variant:
+            autos.append(f"{kind}, auto {json.dumps(args.variant, sort_keys=True)}")
+            pipes[autos[-1]] = build(drafter, {"kind": "auto", **args.variant})
     parts: dict[str, dict[str, float]] = {name: {} for name in pipes}
     rounds: dict[str, int] = dict.fromkeys(pipes, 0)
     decode_s: dict[str, float] = dict.fromkeys(pipes, 0.0)
     prompts = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines()]
     ms: dict[str, list[float]] = {name: [] for name in pipes}
     names = list(pipes)
-    round_log: list[dict[str, Any]] = []
+    round_logs: dict[str, list[dict[str, Any]]] = {name: [] for name in autos}
     for trial in range(args.trials + 1):  # the first pass warms every shape up, untimed
         if trial == 1 and args.parts:
             for name, pipe in pipes.items():
                 time_calls(pipe, parts[name])
             if args.rounds:
-                auto = f"{kind}, auto"
-                record_round_kinds(pipes[auto], round_log, parts[auto])
+                for name in autos:
+                    record_round_kinds(pipes[name], round_logs[name], parts[name])
         for i, prompt in enumerate(prompts):
             shift = (trial + i) % len(names)
             for name in names[shift:] + names[:shift]:  # rotated: no mode always runs first
@@ -308,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             report[name]["ms_per_round"] = {k: round(v, 4) for k, v in per_round.items()}
             print("  " + ", ".join(f"{k} {v:.3f}" for k, v in per_round.items()))
-    if round_log:
-        greedy_ms = 1000.0 * decode_s["greedy"] / max(rounds["greedy"], 1)
-        report["auto rounds by kind"] = summarise_round_kinds(round_log, greedy_ms)
-        print(f"auto's rounds by kind (greedy's step {greedy_ms:.3f} ms):")
-        for name, entry in report["auto rounds by kind"].items():
+    greedy_ms = 1000.0 * decode_s["greedy"] / max(rounds["greedy"], 1)
+    for auto, log in round_logs.items():
+        if not log:
+            continue
+        report[auto]["rounds by kind"] = summarise_round_kinds(log, greedy_ms)
+        print(f"{auto}: rounds by kind (greedy's step {greedy_ms:.3f} ms):")
+        for name, entry in report[auto]["rounds by kind"].items():
             print(f"  {name}: {entry}")
     if args.out:
         args.out.write_text(json.dumps({"prompts": len(prompts), **report}, indent=1))
