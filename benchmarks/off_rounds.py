@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ms: dict[str, list[float]] = {name: [] for name in pipes}
     names = list(pipes)
     round_logs: dict[str, list[dict[str, Any]]] = {name: [] for name in autos}
+    outputs: dict[tuple[int, int, str], list[int]] = {}
     for trial in range(args.trials + 1):  # the first pass warms every shape up, untimed
         if trial == 1 and args.parts:
             for name, pipe in pipes.items():
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             shift = (trial + i) % len(names)
             for name in names[shift:] + names[:shift]:  # rotated: no mode always runs first
                 r = pipes[name].generate(prompt, max_new_tokens=args.max_tokens)
+                outputs[trial, i, name] = r.token_ids
                 if trial > 0 and r.decode_tokens_per_sec > 0:
                     ms[name].append(1000.0 / r.decode_tokens_per_sec)
                     rounds[name] += r.num_rounds
@@ -306,13 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {}
     for name, values in ms.items():
         pairs = [b / a for a, b in zip(ms["greedy"], values, strict=True)]
+        same = all(
+            ids == outputs[t, i, "greedy"] for (t, i, n), ids in outputs.items() if n == name
+        )
         report[name] = {
             "ms_per_token": round(statistics.median(values), 3),
             "paired_ratio_to_greedy": round(statistics.median(pairs), 3),
+            "outputs_equal_to_greedy": same,
         }
         print(
             f"{name}: {report[name]['ms_per_token']} ms/token (median), "
-            f"{report[name]['paired_ratio_to_greedy']} of greedy's (median of pairs)"
+            f"{report[name]['paired_ratio_to_greedy']} of greedy's (median of pairs); "
+            f"outputs equal to greedy's: {'yes' if same else 'NO'}"
         )
         if args.parts and rounds[name]:
             # The first round's prefill and sampling are outside the decode time; the loop's
