@@ -11,11 +11,16 @@ for its next pass with each round's forward (so the forward's buffers are not he
 strategy call: host time per round in each call (the verifier's forward only builds the graph;
 the sampler's verify waits for the device), the loop's `mx.async_eval` of a lazy draft, and the
 rest of the loop. `--rounds` (with `--parts`) also sums the `auto` pipeline's rounds by kind:
-off, probe or planned draft, and for drafting rounds how many committed rows the drafter's
-pass had to take in first and whether that many was new to the process (a new shape), against
-greedy's step and against what the calibration curves charge them (without the offset `auto`
-learns), so a loss to greedy can be put on the kind of round that makes it. `--variant JSON`
-adds a second `auto` pipeline with those settings, timed and summed alike.
+off, probe or planned draft; for a round that runs the drafter's pass, whether it is the
+generation's first (it takes in the whole prompt), whether the rows it takes in first exceed
+what the drafter's compiled path takes, and whether that row count is new to this pipeline's
+timed rounds; each kind against greedy's step and against what the curves charge it (at the
+round's own source: a copy without the drafter's pass, which `auto` without
+`plan_sources_apart` does charge; no learnt offset), so a loss to greedy can be put on the kind
+of round that makes it. Greedy's step is its decode time a round; a kind's time is the sum of
+its rounds' own seconds (from the round's start to `observe`), which leaves out the loop's
+stop checks. `--variant JSON` adds a second `auto` pipeline with those settings, timed and
+summed alike.
 
     python benchmarks/off_rounds.py --prompts held.jsonl --trials 3 [--parts [--rounds]
         [--variant JSON]] [--drafter dflash]
@@ -108,13 +113,16 @@ def _time_loop_async_eval() -> None:
 def record_round_kinds(
     pipe: Any, log: list[dict[str, Any]], parts: dict[str, float] | None = None
 ) -> Any:
-    """Log each round of `pipe` (an `auto` pipeline) after the prefill: k chosen, whether the
-    cap was off (a probe is a draft chosen while off), tokens accepted, seconds, and for a
-    round that ran the drafter's pass the rows it took in first (the rows committed since its
-    last pass) and whether that count was new to the process. With `parts` (the pipeline's
-    `time_calls` figures, wrapped before this), also each round's host seconds per call."""
+    """Log each round of `pipe` (an `auto` pipeline) after the prefill: k chosen, tokens
+    proposed and accepted, whether the cap was off (a probe is a draft chosen while off),
+    seconds, and for a round that ran the drafter's pass the rows it took in first (the rows
+    committed since its last pass: the prompt, at a generation's first pass), whether they
+    exceed the drafter's compiled path, and whether that count was new to the logged rounds.
+    With `parts` (the pipeline's `time_calls` figures, wrapped before this), also each round's
+    host seconds per call."""
     cap, drafter = pipe.draft_cap, pipe.drafter
     choose, propose, observe = cap.choose, drafter.propose, cap.observe
+    compiled_rows = getattr(getattr(drafter, "model", None), "_compiled_context_rows", 0)
     seen: set[int] = set()
     current: dict[str, Any] = {}
     last_parts: dict[str, float] = dict(parts or {})
@@ -127,10 +135,20 @@ def record_round_kinds(
         return k
 
     def proposed(history: list[int], k: int) -> Any:
-        rows = sum(int(p.shape[1]) for p in getattr(drafter, "_pending", []))
-        current.update(rows_in=rows, new_rows=rows not in seen)
-        seen.add(rows)
-        return propose(history, k)
+        pending = getattr(drafter, "_pending", [])
+        rows = sum(int(p.shape[1]) for p in pending)
+        state = getattr(drafter, "_state", None)
+        first = state is not None and state.end == 0
+        draft = propose(history, k)
+        if pending and not getattr(drafter, "_pending", []):  # the drafter's pass took them in
+            current.update(
+                rows_in=rows,
+                new_rows=rows not in seen,
+                first=first,
+                past_compiled=rows > compiled_rows,
+            )
+            seen.add(rows)
+        return draft
 
     def observed(proposed_n: int, accepted: int, seconds: float, source: str = "drafter") -> None:
         curves = getattr(cap, "curves", None)  # what the curves charge it, at its depth
@@ -138,7 +156,8 @@ def record_round_kinds(
         charged = curves.round_cost(proposed_n, cap.depth, not copied) if curves else 0.0
         observe(proposed_n, accepted, seconds, source)
         if _DECODING[0] is not None and current:
-            entry = {**current, "accepted": accepted, "seconds": seconds, "source": source}
+            entry = {**current, "proposed": proposed_n, "accepted": accepted}
+            entry.update(seconds=seconds, source=source)
             entry["charged"] = charged
             if parts is not None:  # this round's calls: the figures' growth since the last
                 entry["parts"] = {c: t - last_parts.get(c, 0.0) for c, t in parts.items()}
@@ -157,13 +176,17 @@ def summarise_round_kinds(log: list[dict[str, Any]], greedy_ms: float) -> dict[s
     out: dict[str, Any] = {}
 
     def kind(r: dict[str, Any]) -> str:
-        if r["k"] == 0:
+        if r.get("proposed", r["k"]) == 0:  # a k cut to 0 by the token budget drafts nothing
             return "off"
         base = "probe" if r["off"] else "draft"
         if r.get("source") == "copy":
             return f"{base}, copied"
-        big = "over 16 rows in" if r.get("rows_in", 0) > 16 else "16 rows in or fewer"
-        return f"{base}, {'new' if r.get('new_rows') else 'seen'} row count, {big}"
+        if r.get("first"):
+            return f"{base}, the generation's first pass (the prompt taken in)"
+        if "rows_in" not in r:
+            return f"{base}, nothing to take in"
+        size = "past the compiled rows" if r.get("past_compiled") else "within the compiled rows"
+        return f"{base}, {'new' if r.get('new_rows') else 'seen'} row count {size}"
 
     for r in log:
         entry = out.setdefault(

@@ -198,9 +198,9 @@ class DraftCap(Strategy):
 
     @property
     def reads_source(self) -> bool:
-        """Whether `choose` and `observe` use the round's source. When not, the loop does not
-        ask the drafter (a copy search every round, also in rounds that draft nothing) and
-        passes `DRAFTER_SOURCE`."""
+        """Whether `choose` uses the round's source. When not, `choose` gets `DRAFTER_SOURCE`
+        and the loop asks the drafter (a copy search) only for rounds that draft, whose
+        `observe` still gets the real source."""
         return True
 
     def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:

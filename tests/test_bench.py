@@ -545,8 +545,10 @@ def test_off_rounds_sums_auto_s_rounds_by_kind(embedded, monkeypatch):
     kinds = summarise_round_kinds(log, greedy_ms=1.0)
     assert sum(k["tokens"] for k in kinds.values()) == r.num_tokens - 1
     assert sum(k["rounds"] for k in kinds.values()) == r.num_rounds
-    drafted = [e for e in log if e["k"] > 0 and e["source"] != "copy"]
-    assert drafted and all("rows_in" in e for e in drafted)
+    drafted = [e for e in log if e["proposed"] > 0 and e["source"] != "copy"]
+    assert drafted and all("rows_in" in e for e in drafted)  # each pass took rows in first
+    assert drafted[0]["first"] and not any(e["first"] for e in drafted[1:])
+    assert drafted[0]["rows_in"] > 1  # the prompt
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

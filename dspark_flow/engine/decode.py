@@ -143,8 +143,8 @@ def decode(
         source, k = DRAFTER_SOURCE, 0
         if drafting:  # plain decoding never needs the whole history
             history = prompt_ids + generated
-            # A cap that does not read the source is told it only for rounds that draft (its
-            # observe() logs still say which copied): a round drafting nothing skips the search.
+            # A cap that does not read the source chooses without it; rounds that draft still
+            # learn it for observe(), so only rounds drafting nothing skip the copy search.
             reads = c.draft_cap.reads_source
             if reads:
                 source = c.drafter.source(history)
