@@ -190,10 +190,10 @@ def summarise_round_kinds(log: list[dict[str, Any]], greedy_ms: float) -> dict[s
 
     for r in log:
         entry = out.setdefault(
-            kind(r), {"rounds": 0, "tokens": 0, "ms": 0.0, "charged_ms": 0.0, "calls_ms": {}}
+            kind(r),
+            {"rounds": 0, "k": {}, "tokens": 0, "ms": 0.0, "charged_ms": 0.0, "calls_ms": {}},
         )
         entry["rounds"] += 1
-        entry.setdefault("k", {})
         entry["k"][r["k"]] = entry["k"].get(r["k"], 0) + 1
         entry["tokens"] += r["accepted"] + 1
         entry["ms"] += 1000.0 * r["seconds"]

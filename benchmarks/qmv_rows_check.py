@@ -12,8 +12,8 @@ as the probes draw them.
     python benchmarks/qmv_rows_check.py --out qmv_rows_check.json   # on a CUDA machine
 
 Default shapes: Llama-3-8B's body and two of a 2,048-wide model (bfloat16 and float16, 4- and
-8-bit, group 64) and the embedded model's three float32 shapes. Exits 1 when a case is bit for bit in no variant, 2 on a
-backend without the kernel (it says so).
+8-bit, group 64) and the embedded model's three float32 shapes. Exits 1 when a case is bit for
+bit in no variant, 2 on a backend without the kernel (it says so).
 """
 
 from __future__ import annotations

@@ -440,10 +440,11 @@ class CurveCap(DraftCap):
     def _choose(self, drafter_max: int | None) -> int:
         limit = self.limit(drafter_max)
         state = self.current
+        situation = None
         if self.adaptive and state.off_key is not None:
             situation = self._situation(limit)
             if situation == state.off_key:  # off, and nothing the decision rests on has moved
-                return self._off_round(state, state.off_every, limit)
+                return self._off_round(state, limit)
         plan = self.plan(drafter_max)
         if plan is None:
             log.warning("draft cap used before warm_up(); drafting a fixed k", k=FALLBACK_K)
@@ -478,12 +479,15 @@ class CurveCap(DraftCap):
         # estimate only moves on rounds that draft.
         state.single_rounds = state.planned_k = 0
         state.off_every = self._probe_every(limit)
-        state.off_key = self._situation(limit)
-        return self._off_round(state, state.off_every, limit)
+        # Planning moves nothing the situation holds: one taken above still stands.
+        state.off_key = situation if situation is not None else self._situation(limit)
+        return self._off_round(state, limit)
 
-    def _off_round(self, state: SourceState, every: int | None, limit: int) -> int:
-        """A round while off: 0, or a probe once every `every` rounds (never if None)."""
+    def _off_round(self, state: SourceState, limit: int) -> int:
+        """A round while off: 0, or a probe once every `state.off_every` rounds (never if
+        None)."""
         state.off_rounds += 1
+        every = state.off_every
         if every is not None and state.off_rounds >= every:
             state.off_rounds = 0
             return min(getattr(self.config, "probe_k", 2), limit)
