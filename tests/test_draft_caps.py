@@ -973,3 +973,61 @@ def test_auto_adds_what_rounds_take_beyond_the_curves_and_picks_k_by_it():
     without = best_plan(curves, p, learns.depth, 8, p_first)
     assert with_gap.k > without.k  # the gap makes longer drafts pay
     assert learns.plan(8).k == with_gap.k
+
+
+def test_round_cost_ratios_learn_each_row_count_and_kind_apart():
+    from dspark_flow.calibration.estimators import RoundCostRatios
+
+    est = RoundCostRatios(window=1000.0, clip=3.0, min_rounds=4, step=0.02)
+    assert est.ratio(3, drafted=True) == 1.0  # nothing known: the curves as they are
+    for _ in range(3):
+        est.update(1, False, 0.76, 1.0)
+    assert not est.knows(1, drafted=False) and est.version == 0  # three rounds are too few
+    est.update(1, False, 0.76, 1.0)
+    assert est.ratio(1, drafted=False) == pytest.approx(0.76)  # in steps of 0.02
+    assert est.ratio(3, drafted=True) == pytest.approx(0.76)  # the other kind's, until known
+    for _ in range(4):
+        est.update(3, True, 2.0, 1.0)
+    assert est.ratio(3, drafted=True) == pytest.approx(2.0)
+    assert est.ratio(9, drafted=True) == pytest.approx(2.0)  # the nearest row count of its kind
+    assert est.scales(2, drafter_pass=True) == pytest.approx((0.76, 2.0, 2.0))
+    assert est.scales(2, drafter_pass=False) == pytest.approx((0.76, 0.76, 0.76))
+    version = est.version
+    est.update(3, True, 2.001, 1.0)  # moves the ratio by less than a step: plans stay cached
+    assert est.version == version
+    est.update(3, True, 1000.0, 1.0)  # a round that compiled a shape counts as 3x at most
+    assert est.ratio(3, drafted=True) == pytest.approx((4 * 2.0 + 2.001 + 3.0) / 6, abs=0.011)
+    est.update(3, True, float("nan"), 1.0)
+    est.update(3, True, 0.0, 1.0)  # untimed rounds are no evidence
+    assert est.ratio(3, drafted=True) == pytest.approx((4 * 2.0 + 2.001 + 3.0) / 6, abs=0.011)
+
+
+def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
+    """The H200's pattern (docs/benchmarks.md §3): the curves overcharge a plain step (0.75x)
+    but charge drafting rounds about right, so a drafter whose drafts gain 6% by the curves
+    loses 20% in fact. One offset, learnt on drafting rounds alone, sees nothing wrong; costs
+    learnt by row count time a plain step now and then and switch drafting off."""
+    block = 8
+    curves = Curves(depths=[64], verify=[[1.0] * (block + 1)], drafter=[0.0] + [0.3] * block)
+    off_share = {}
+    for by_rows in (False, True):
+        cap = AutoCap(AutoCapConfig(round_cost_by_rows=by_rows), curves=curves)
+        cap.begin([0] * 64)
+        rng = random.Random(0)
+        ks = []
+        for _ in range(300):
+            k = cap.choose(block)
+            got = 0
+            while got < k and rng.random() < 0.3:
+                got += 1
+            plain = k == 0
+            cap.observe(k, got, curves.round_cost(k, cap.depth) * (0.75 if plain else 1.0))
+            ks.append(k)
+        off_share[by_rows] = sum(k == 0 for k in ks[100:]) / 200
+        if by_rows:
+            assert cap.round_costs.ratio(1, drafted=False) == pytest.approx(0.75, abs=0.011)
+            assert cap.plan(block).gain < 1.0
+        else:
+            assert cap.plan(block).gain > 1.0
+    assert off_share[False] == 0.0
+    assert off_share[True] > 0.9

@@ -33,6 +33,7 @@ from dspark_flow.calibration.estimators import (
     AcceptanceEstimator,
     LengthEstimator,
     RoundCostOffset,
+    RoundCostRatios,
 )
 from dspark_flow.log import get_logger
 from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, BuildContext, DraftCap, StrategyConfig
@@ -48,6 +49,9 @@ DEPTH_STEP = 16  # context depths this close share a cached plan
 # cached), and never brings a charge below COST_FLOOR of what the curves say.
 OFFSET_STEP = 0.02
 COST_FLOOR = 0.25
+# With costs learnt by row count, a plain step's own ratio is only seen in rounds that draft
+# nothing: until it is known, one round in this many drafts nothing to time one.
+PLAIN_SAMPLE_EVERY = 16
 
 
 def expected_tokens(p: float, k: int, p_first: float | None = None) -> float:
@@ -82,6 +86,7 @@ def plan_table(
     survival: list[float] | None = None,
     offset: float = 0.0,
     drafter_pass: bool = True,
+    scales: tuple[float, ...] | None = None,
 ) -> list[Plan]:
     """One Plan per k = 0..max_k (k = 0 is plain decoding).
 
@@ -89,12 +94,20 @@ def plan_table(
     drafts min(L, k) tokens for the drafter's natural length L, and the plan averages tokens
     and time over L. Without it the drafter always fills k. `offset`: seconds added to every
     round (what `auto` learnt the rounds take beyond the curves; `RoundCostOffset`).
-    `drafter_pass=False` charges no drafter cost (copied drafts).
+    `drafter_pass=False` charges no drafter cost (copied drafts). `scales[n]`: what a round
+    drafting n tokens takes over what the curves charge it (`RoundCostRatios`); the whole
+    round's charge is scaled, the difference landing on its verify.
     """
     max_k = max(0, max_k)
     verify = curves.verify_costs(max_k + 1, depth)  # verify[n]: n drafted tokens
     if offset:
         verify = [max(v + offset, COST_FLOOR * v) for v in verify]
+    if scales is not None:
+        drafting = [curves.drafter_cost(n) if drafter_pass else 0.0 for n in range(max_k + 1)]
+        verify = [
+            max(COST_FLOOR * v, scales[min(n, len(scales) - 1)] * (v + d) - d)
+            for n, (v, d) in enumerate(zip(verify, drafting, strict=True))
+        ]
     tokens_at = [expected_tokens(p, n, p_first) for n in range(max_k + 1)]
     plain = verify[0]
     out: list[Plan] = []
@@ -124,11 +137,12 @@ def best_plan(
     keep_floor: float = 0.0,
     offset: float = 0.0,
     drafter_pass: bool = True,
+    scales: tuple[float, ...] | None = None,
 ) -> Plan:
     """The k >= 1 (when max_k >= 1) with the highest expected tokens per second; or `keep`
     (the previous round's k), where that is expected within `margin` of the best and its gain
     is at least `keep_floor` (so keeping a k never turns drafting off where the best pays)."""
-    table = plan_table(curves, p, depth, max_k, p_first, survival, offset, drafter_pass)
+    table = plan_table(curves, p, depth, max_k, p_first, survival, offset, drafter_pass, scales)
     best = table[1] if len(table) > 1 else table[0]
     for plan in table[2:]:
         if plan.gain > best.gain * (1.0 + TOLERANCE):
@@ -222,6 +236,12 @@ class AdaptiveCapConfig(CurveCapConfig):
         description="add to every round's cost what the rounds measured in this process take "
         "beyond the curves (the host's speed moves between calibration and use)",
     )
+    round_cost_by_rows: bool = Field(
+        False,
+        description="with learn_round_cost: learn what rounds take over the curves' charge as "
+        "a ratio per verified row count, rounds that run the drafter apart from plain steps and "
+        "copies, instead of one offset added to every round",
+    )
     follow_drafter_sizes: bool = Field(
         True,
         description="with a drafter that sizes its own drafts (lookup), decide only whether to "
@@ -252,6 +272,8 @@ class CurveCap(DraftCap):
         # Set from the drafter at warm_up (or by a replay): whether it sizes its own drafts.
         self.drafter_sizes_drafts = False
         self.round_cost = RoundCostOffset(window=2 * getattr(self.config, "window", 32.0))
+        self.round_costs = RoundCostRatios(window=2 * getattr(self.config, "window", 32.0))
+        self.rounds_since_plain = 0  # rounds since one that verified a single row
         self.sources: dict[str, SourceState] = {}
         self._source = DRAFTER_SOURCE  # the source of the round being planned or observed
         self.state(DRAFTER_SOURCE)
@@ -388,10 +410,11 @@ class CurveCap(DraftCap):
         keep = planned if margin > 0 and planned > 0 else None
         floor = getattr(self.config, "min_gain", 1.0)
         offset, drafter_pass = self.cost_offset(), self.drafter_pass
+        scales = self.cost_scales(limit)
         survival = lengths.survival() if (lengths := self.lengths) is not None else None
         args = (self.curves, p, self.depth, limit, p_first, survival, keep, margin, floor, offset)
         if survival is not None:  # the drafter's lengths move every round: nothing to reuse
-            return best_plan(*args, drafter_pass=drafter_pass)
+            return best_plan(*args, drafter_pass=drafter_pass, scales=scales)
         # Rounds repeat the same situation often; the table costs ~k interpolations.
         key = (
             round(p_first, 3),
@@ -401,17 +424,33 @@ class CurveCap(DraftCap):
             keep,
             offset,
             drafter_pass,
+            scales,
         )
         if (found := self._plans.get(key)) is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            found = self._plans[key] = best_plan(*args, drafter_pass=drafter_pass)
+            found = self._plans[key] = best_plan(*args, drafter_pass=drafter_pass, scales=scales)
         return found
+
+    @property
+    def _costs_by_rows(self) -> bool:
+        cfg = self.config
+        return self.adaptive and getattr(cfg, "learn_round_cost", False) and cfg.round_cost_by_rows
+
+    def cost_scales(self, limit: int) -> tuple[float, ...] | None:
+        """What rounds drafting 0..limit tokens take over the curves' charge, as learnt
+        (`auto` with `round_cost_by_rows`; else None)."""
+        if not self._costs_by_rows:
+            return None
+        return self.round_costs.scales(limit, self.drafter_pass)
 
     def cost_offset(self) -> float:
         """Seconds every round takes beyond the curves, as learnt (`auto` with
-        `learn_round_cost`; else 0), in steps of OFFSET_STEP of one row's verify."""
+        `learn_round_cost`, unless by row count; else 0), in steps of OFFSET_STEP of one row's
+        verify."""
         if not (self.adaptive and getattr(self.config, "learn_round_cost", False)):
+            return 0.0
+        if self._costs_by_rows:
             return 0.0
         if self.curves is None or (offset := self.round_cost.offset) == 0.0:
             return 0.0
@@ -455,6 +494,8 @@ class CurveCap(DraftCap):
         min_gain = getattr(cfg, "min_gain", 1.0)
         state.off_key = None
         if plan.gain >= min_gain or self._unsure_it_loses(drafter_max, min_gain):
+            if self._costs_by_rows and self._time_a_plain_step():
+                return 0
             state.off_rounds = 0
             state.planned_k = plan.k  # the probe of two below does not count as a choice
             if self.sizes_drafts and getattr(cfg, "follow_drafter_sizes", True):
@@ -483,6 +524,14 @@ class CurveCap(DraftCap):
         state.off_key = situation if situation is not None else self._situation(limit)
         return self._off_round(state, limit)
 
+    def _time_a_plain_step(self) -> bool:
+        """Whether this round should draft nothing so that a plain step gets timed: drafting
+        rounds alone would leave its ratio to the curves unknown, and the plan would then
+        assume the drafting rounds' ratio for it (no premium learnt)."""
+        if self.round_costs.knows(1, drafted=False):
+            return False
+        return self.rounds_since_plain >= PLAIN_SAMPLE_EVERY
+
     def _off_round(self, state: SourceState, limit: int) -> int:
         """A round while off: 0, or a probe once every `state.off_every` rounds (never if
         None)."""
@@ -508,6 +557,7 @@ class CurveCap(DraftCap):
             self.depth // DEPTH_STEP,
             limit,
             self.cost_offset(),
+            self.round_costs.version if self._costs_by_rows else None,
         )
 
     def _unsure_it_loses(self, drafter_max: int | None, min_gain: float) -> bool:
@@ -539,6 +589,7 @@ class CurveCap(DraftCap):
             limit,
             offset=self.cost_offset(),
             drafter_pass=self.drafter_pass,
+            scales=self.cost_scales(limit),
         )
         if perfect.gain <= getattr(self.config, "min_gain", 1.0) * (1.0 + TOLERANCE):
             return None  # even drafts that are always accepted would at best break even
@@ -564,6 +615,7 @@ class CurveCap(DraftCap):
             survival=lengths.survival() if lengths else None,
             offset=self.cost_offset(),
             drafter_pass=self.drafter_pass,
+            scales=self.cost_scales(probe),
         )
         base, trial = table[k], table[probe]
         # In the time of a probe round the planned k would commit trial.seconds * base.rate
@@ -580,6 +632,10 @@ class CurveCap(DraftCap):
         if self.adaptive and self.curves is not None:  # measured against what the curves charge
             charged = self.curves.round_cost(proposed, self.depth, self.drafter_pass)
             self.round_cost.update(seconds, charged)
+            if self._costs_by_rows:
+                drafted = proposed > 0 and self.drafter_pass
+                self.round_costs.update(proposed + 1, drafted, seconds, charged)
+                self.rounds_since_plain = 0 if proposed == 0 else self.rounds_since_plain + 1
         self.depth += accepted + 1
         if self.adaptive:
             self.estimator.update(proposed, accepted)

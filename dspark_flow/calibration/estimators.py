@@ -255,3 +255,73 @@ class RoundCostOffset:
     def offset(self) -> float:
         """Seconds to add to every round's charge (0 until enough rounds are in)."""
         return self.total / self.weight if self.rounds >= self.min_rounds else 0.0
+
+
+class RoundCostRatios:
+    """How much longer or shorter this process's rounds take than the curves charge, as a
+    ratio per verified row count, rounds that ran the drafter's pass apart from those that
+    only verified (plain steps, copied runs).
+
+    One additive offset (`RoundCostOffset`) moves every round's charge alike, but rounds of
+    different row counts and kinds run off the curves by different factors: in the H200's chat
+    the loop took 0.72-0.75 of the curves' charge for plain steps, 0.73-0.83 for steady drafting
+    rounds and 0.79-1.23 for probes, which take in an off stretch (docs/benchmarks.md §3). Each (drafted, rows) pair keeps decaying sums of measured
+    and charged seconds; a pair with too few rounds borrows the nearest row count's ratio of its
+    kind, else the other kind's, else 1. Measured times are clipped to `clip` times the charge,
+    so a round that compiled a shape moves its ratio by little. Ratios are read in steps of
+    `step`, and `version` moves only when one of those steps does, so plans and the off
+    decision built on them stay cached while the ratios hold still.
+    """
+
+    def __init__(
+        self,
+        window: float = 64.0,
+        clip: float = 3.0,
+        min_rounds: float = 4.0,
+        step: float = 0.02,
+    ):
+        self.decay = 1.0 - 1.0 / max(window, 1.0)
+        self.clip, self.min_rounds, self.step = clip, min_rounds, step
+        # (drafted, rows) -> [measured seconds, charged seconds] (decaying), rounds seen
+        self._sums: dict[tuple[bool, int], list[float]] = {}
+        self._known: dict[tuple[bool, int], float] = {}  # pairs with enough rounds, stepped
+        self.version = 0
+        self._scales: dict[tuple[bool, int], tuple[float, ...]] = {}
+
+    def update(self, rows: int, drafted: bool, measured: float, charged: float) -> None:
+        if not (charged > 0.0 and math.isfinite(measured) and measured > 0.0 and rows >= 1):
+            return
+        key = (drafted, rows)
+        sums = self._sums.setdefault(key, [0.0, 0.0, 0.0])
+        sums[0] = self.decay * sums[0] + min(measured, self.clip * charged)
+        sums[1] = self.decay * sums[1] + charged
+        sums[2] += 1.0
+        if sums[2] >= self.min_rounds:
+            stepped = round(sums[0] / sums[1] / self.step) * self.step
+            if self._known.get(key) != stepped:
+                self._known[key] = stepped
+                self.version += 1
+                self._scales.clear()
+
+    def knows(self, rows: int, drafted: bool) -> bool:
+        """Whether rounds of this kind and row count have been seen often enough."""
+        return (drafted, rows) in self._known
+
+    def ratio(self, rows: int, drafted: bool) -> float:
+        """The learnt ratio for a round of `rows` rows (1 when nothing is known yet)."""
+        for kind in (drafted, not drafted):
+            near = [r for (d, r) in self._known if d == kind]
+            if near:
+                best = min(near, key=lambda r: (abs(r - rows), r))
+                return self._known[(kind, best)]
+        return 1.0
+
+    def scales(self, max_drafted: int, drafter_pass: bool) -> tuple[float, ...]:
+        """The ratio for a round drafting n = 0..max_drafted tokens (n = 0: a plain step; n >= 1
+        ran the drafter's pass when `drafter_pass`, else verified a copied run)."""
+        key = (drafter_pass, max_drafted)
+        if (found := self._scales.get(key)) is None:
+            found = self._scales[key] = tuple(
+                self.ratio(n + 1, drafter_pass and n > 0) for n in range(max_drafted + 1)
+            )
+        return found

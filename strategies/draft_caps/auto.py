@@ -9,7 +9,9 @@ matching again. With a drafter that sizes its own drafts (`Drafter.sizes_own_dra
 it decides only whether to draft, and lets the drafter fill up to the limit. Each round's
 measured time also updates how far this process's rounds run from what the curves charge
 (`RoundCostOffset`: the host's speed moves between calibration and use), and that gap is added
-to every cost it plans with (`learn_round_cost: false` plans with the curves alone). With
+to every cost it plans with (`learn_round_cost: false` plans with the curves alone;
+`round_cost_by_rows: true` learns a ratio per row count instead, drafting rounds apart from
+plain steps: `RoundCostRatios`, off by default, measured on the CPU only). With
 `plan_sources_apart: true`, rounds that copy a run from the context (a block drafter's
 `prompt_lookup`) have their own estimate and on/off state and are charged no drafter pass.
 """
