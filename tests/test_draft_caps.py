@@ -1003,10 +1003,10 @@ def test_round_cost_ratios_learn_each_row_count_and_kind_apart():
 
 
 def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
-    """The H200's pattern (docs/benchmarks.md §3): the curves overcharge a plain step (0.75x)
-    but charge drafting rounds about right, so a drafter whose drafts gain 6% by the curves
-    loses 20% in fact. One offset, learnt on drafting rounds alone, sees nothing wrong; costs
-    learnt by row count time a plain step now and then and switch drafting off."""
+    """A synthetic case: the curves overcharge a plain step (0.75x) but charge drafting rounds
+    right, so a drafter whose drafts gain about 10% by the curves loses about 18% in fact. One
+    offset, learnt on drafting rounds alone, sees nothing wrong; costs learnt by row count
+    time a plain step now and then and switch drafting off."""
     block = 8
     curves = Curves(depths=[64], verify=[[1.0] * (block + 1)], drafter=[0.0] + [0.3] * block)
     off_share = {}

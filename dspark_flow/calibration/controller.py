@@ -239,8 +239,8 @@ class AdaptiveCapConfig(CurveCapConfig):
     round_cost_by_rows: bool = Field(
         False,
         description="with learn_round_cost: learn what rounds take over the curves' charge as "
-        "a ratio per verified row count, rounds that run the drafter apart from plain steps and "
-        "copies, instead of one offset added to every round",
+        "a ratio per verified row count, rounds that run the drafter apart from plain steps "
+        "(and from copies with plan_sources_apart), instead of one offset added to every round",
     )
     follow_drafter_sizes: bool = Field(
         True,
