@@ -266,9 +266,10 @@ class RoundCostRatios:
     different row counts and kinds run off the curves by different factors: in the H200's chat
     the loop took 0.72-0.75 of the curves' charge for plain steps, 0.73-0.83 for steady
     drafting rounds and 0.79-1.23 for probes, which take in an off stretch
-    (docs/benchmarks.md §3). Probes and steady rounds of one row count share a ratio here. Each (drafted, rows) pair keeps decaying sums of measured
-    and charged seconds; a pair with too few rounds borrows the nearest row count's ratio of its
-    kind, else the other kind's, else 1. Measured times are clipped to `clip` times the charge,
+    (docs/benchmarks.md §3). Probes and steady rounds of one row count share a ratio here.
+    Each (drafted, rows) pair keeps decaying sums of measured and charged seconds; a pair with
+    too few rounds borrows the nearest row count's ratio of its kind, else the other kind's,
+    else 1. Measured times are clipped to `clip` times the charge,
     so a round that compiled a shape moves its ratio by little. Ratios are read in steps of
     `step`, and `version` moves only when one of those steps does, so plans and the off
     decision built on them stay cached while the ratios hold still.
