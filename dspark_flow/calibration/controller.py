@@ -631,11 +631,12 @@ class CurveCap(DraftCap):
         self._round_from(source)
         if self.adaptive and self.curves is not None:  # measured against what the curves charge
             charged = self.curves.round_cost(proposed, self.depth, self.drafter_pass)
-            self.round_cost.update(seconds, charged)
-            if self._costs_by_rows:
+            if self._costs_by_rows:  # the one offset is then never read: learn only the ratios
                 drafted = proposed > 0 and self.drafter_pass
                 self.round_costs.update(proposed + 1, drafted, seconds, charged)
                 self.rounds_since_plain = 0 if proposed == 0 else self.rounds_since_plain + 1
+            else:
+                self.round_cost.update(seconds, charged)
         self.depth += accepted + 1
         if self.adaptive:
             self.estimator.update(proposed, accepted)
