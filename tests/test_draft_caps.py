@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from dspark_flow.calibration import curves as curves_mod
-from dspark_flow.calibration.controller import best_plan, expected_tokens, plan_table
+from dspark_flow.calibration.controller import (
+    PLAIN_RESAMPLE_EVERY,
+    best_plan,
+    expected_tokens,
+    plan_table,
+)
 from dspark_flow.calibration.curves import Curves, monotone_fit
 from dspark_flow.calibration.estimators import (
     AcceptanceEstimator,
@@ -1031,3 +1036,42 @@ def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
             assert cap.plan(block).gain > 1.0
     assert off_share[False] == 0.0
     assert off_share[True] > 0.9
+
+
+def test_auto_by_row_count_keeps_probes_out_and_retimes_plain_steps():
+    """Probes take in the off stretch before them, so they are not learnt as drafting rounds'
+    cost; and once a plain step's ratio is known, one is still timed now and then (not more
+    often than one round in PLAIN_RESAMPLE_EVERY) so that it follows the host."""
+    block = 8
+    curves = Curves(depths=[64], verify=[[1.0] * (block + 1)], drafter=[0.0] + [0.3] * block)
+    # A drafter that is never accepted: auto drafts at the curves' charge, goes off, and then
+    # only probes draft, each at 2x.
+    cap = AutoCap(AutoCapConfig(round_cost_by_rows=True), curves=curves)
+    cap.begin([0] * 64)
+    probes = 0
+    for _ in range(300):
+        k = cap.choose(block)
+        probes += cap.current.probing
+        slow = 2.0 if cap.current.probing else 1.0
+        cap.observe(k, 0, curves.round_cost(k, cap.depth) * slow)
+    assert probes >= 3  # probes ran, yet the drafting rounds' ratios are what steady rounds took
+    learnt = [r for r in range(2, block + 2) if cap.round_costs.knows(r, drafted=True)]
+    assert learnt
+    assert all(cap.round_costs.ratio(r, drafted=True) == pytest.approx(1.0) for r in learnt)
+    # A drafter accepted almost always: auto drafts, and a plain step is timed now and then.
+    cap = AutoCap(AutoCapConfig(round_cost_by_rows=True), curves=curves)
+    cap.begin([0] * 64)
+    rng = random.Random(0)
+    plain_at = []
+    for i in range(600):
+        k = cap.choose(block)
+        got = 0
+        while got < k and rng.random() < 0.95:
+            got += 1
+        cap.observe(k, got, curves.round_cost(k, cap.depth))
+        if k == 0:
+            plain_at.append(i)
+    assert cap.round_costs.knows(1, drafted=False)
+    later = [i for i in plain_at if i > 200]
+    assert len(later) >= 2
+    assert all(b - a > PLAIN_RESAMPLE_EVERY for a, b in zip(later, later[1:]))

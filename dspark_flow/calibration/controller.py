@@ -50,8 +50,10 @@ DEPTH_STEP = 16  # context depths this close share a cached plan
 OFFSET_STEP = 0.02
 COST_FLOOR = 0.25
 # With costs learnt by row count, a plain step's own ratio is only seen in rounds that draft
-# nothing: until it is known, one round in this many drafts nothing to time one.
+# nothing: until it is known, one round in this many drafts nothing to time one, and once known,
+# one in PLAIN_RESAMPLE_EVERY so that it follows the host (a forced step costs under 1%).
 PLAIN_SAMPLE_EVERY = 16
+PLAIN_RESAMPLE_EVERY = 128
 
 
 def expected_tokens(p: float, k: int, p_first: float | None = None) -> float:
@@ -170,6 +172,7 @@ class SourceState:
     # moves (`CurveCap._situation`): the situation it was taken in, and its rounds between probes.
     off_key: tuple[Any, ...] | None = None
     off_every: int | None = None
+    probing: bool = False  # the last round was a probe drafted while off
 
 
 class CurveCapConfig(StrategyConfig):
@@ -479,6 +482,7 @@ class CurveCap(DraftCap):
     def _choose(self, drafter_max: int | None) -> int:
         limit = self.limit(drafter_max)
         state = self.current
+        state.probing = False
         situation = None
         if self.adaptive and state.off_key is not None:
             situation = self._situation(limit)
@@ -528,9 +532,8 @@ class CurveCap(DraftCap):
         """Whether this round should draft nothing so that a plain step gets timed: drafting
         rounds alone would leave its ratio to the curves unknown, and the plan would then
         assume the drafting rounds' ratio for it (no premium learnt)."""
-        if self.round_costs.knows(1, drafted=False):
-            return False
-        return self.rounds_since_plain >= PLAIN_SAMPLE_EVERY
+        known = self.round_costs.knows(1, drafted=False)
+        return self.rounds_since_plain >= (PLAIN_RESAMPLE_EVERY if known else PLAIN_SAMPLE_EVERY)
 
     def _off_round(self, state: SourceState, limit: int) -> int:
         """A round while off: 0, or a probe once every `state.off_every` rounds (never if
@@ -539,6 +542,7 @@ class CurveCap(DraftCap):
         every = state.off_every
         if every is not None and state.off_rounds >= every:
             state.off_rounds = 0
+            state.probing = True
             return min(getattr(self.config, "probe_k", 2), limit)
         return 0
 
@@ -633,7 +637,11 @@ class CurveCap(DraftCap):
             charged = self.curves.round_cost(proposed, self.depth, self.drafter_pass)
             if self._costs_by_rows:  # the one offset is then never read: learn only the ratios
                 drafted = proposed > 0 and self.drafter_pass
-                self.round_costs.update(proposed + 1, drafted, seconds, charged)
+                # A probe takes in the off stretch before it (H200 chat: 0.79-1.94 of its charge
+                # against 0.73-0.83 for steady rounds); learnt with them it would overprice
+                # drafting and keep `auto` off.
+                if not self.current.probing:
+                    self.round_costs.update(proposed + 1, drafted, seconds, charged)
                 self.rounds_since_plain = 0 if proposed == 0 else self.rounds_since_plain + 1
             else:
                 self.round_cost.update(seconds, charged)

@@ -266,7 +266,7 @@ class RoundCostRatios:
     different row counts and kinds run off the curves by different factors: in the H200's chat
     the loop took 0.72-0.75 of the curves' charge for plain steps, 0.73-0.83 for steady
     drafting rounds and 0.79-1.23 for probes, which take in an off stretch
-    (docs/benchmarks.md §3). Probes and steady rounds of one row count share a ratio here.
+    (docs/benchmarks.md §3). The cap keeps probes out of these ratios.
     Each (drafted, rows) pair keeps decaying sums of measured and charged seconds; a pair with
     too few rounds borrows the nearest row count's ratio of its kind, else the other kind's,
     else 1. Measured times are clipped to `clip` times the charge,
