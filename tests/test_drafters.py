@@ -987,3 +987,26 @@ def test_prompt_lookup_leaves_the_calibration_key_and_the_timed_pass_alone(tmp_p
     history = [5, 6, 7, 8] * 8  # a copy run the lookup would take
     curves.measure_drafter(copying, history, 3, GreedySampler(), repeats=1, warmup=0)
     assert timed == [1, 2, 3]
+
+
+def test_calibration_times_the_drafters_context_growth(tmp_path, tiny4):
+    """In the loop every proposal first takes the rows committed since the last one into the
+    drafter's context; calibration must time that too, so before each timed proposal the
+    target forwards the anchor and the drafter gets one new row (and stays in step)."""
+    from dspark_flow.calibration import curves
+
+    _, path, options = make_checkpoint(tmp_path, "dspark")
+    drafter = api.load_drafter(str(path), tiny4, **options)
+    grown: list[int] = []
+    extend = drafter.model.extend_context
+    drafter.model.extend_context = lambda state, feats: (
+        grown.append(feats.shape[1]) or extend(state, feats)
+    )
+    history = list(range(3, 40))
+    found = curves.measure_drafter(
+        drafter, history, 3, GreedySampler(), model=tiny4, repeats=2, warmup=1
+    )
+    assert len(found) == 4 and found[0] == 0.0 and all(t > 0 for t in found[1:])
+    # One new row before each of the 3 x 3 timed proposals; the first takes the prompt's rows
+    # with it.
+    assert grown == [len(history) - 1 + 1] + [1] * 8

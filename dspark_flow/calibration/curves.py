@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any
 
 from dspark_flow.engine.decode import PREFILL_CHUNK
+from dspark_flow.strategy import Drafter
 
 DEFAULT_DEPTHS: tuple[int, ...] = (64, 512, 2048)
 
@@ -28,7 +29,8 @@ class Curves:
     """Measured costs, in seconds.
 
     `verify[i][K - 1]` is one verify round of K rows at context depth `depths[i]` (forward, the
-    argmax host sync, the cache trim); `drafter[k]` is one `propose(history, k)`, `drafter[0]` 0.
+    argmax host sync, the cache trim); `drafter[k]` is one `propose(history, k)`, `drafter[0]` 0
+    (for a drafter that reads the target, with one new committed row to take in, as in the loop).
     """
 
     depths: list[int]
@@ -250,12 +252,18 @@ def measure_drafter(
 
     With `model`, the history before the last token is first prefilled through the target and
     handed to `drafter.after_forward`, as the decode loop does: drafters that read the target's
-    features (dspark, dflash) need it. Repeated proposals on one history leave them in step.
+    features (dspark, dflash) need it. Such a drafter then also meets, before each timed
+    proposal, one new committed row to take into its context, as in a round whose drafts were
+    all rejected: the loop's proposals pay that, and timing proposals on one unchanged history
+    left it out (on the H200 the loop's drafting rounds took 1.98-2.28x a plain step where the
+    curves charged 1.78-1.80x, docs/benchmarks.md §3).
     """
     import mlx.core as mx
 
-    prompt = list(history[:-1])
+    history = list(history)
+    prompt = history[:-1]
     drafter.begin(prompt, sampler)
+    grow: Callable[[], None] | None = None
     if model is not None:
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -267,12 +275,21 @@ def measure_drafter(
             if hasattr(drafter, "after_forward"):
                 drafter.after_forward(len(chunk))
             mx.eval([entry.state for entry in cache])
-        del cache
+        own = getattr(type(drafter), "after_forward", Drafter.after_forward)
+        if own is not Drafter.after_forward:  # it reads the target's features
+
+            def grow() -> None:  # untimed: the target forwards the anchor, which is committed
+                mx.eval(forward(model, history[-1:], cache))
+                drafter.after_forward(1)
+                history.append(history[len(history) // 2])
+
     # A block drafter copying runs first would copy the history's repeated span: time its pass.
     propose = getattr(drafter, "propose_block", drafter.propose)
     times: list[list[float]] = [[] for _ in range(block + 1)]
     for r in range(warmup + repeats):
         for k in range(1, block + 1):
+            if grow is not None:
+                grow()
             t0 = time.perf_counter()
             draft = propose(list(history), k)
             if getattr(draft, "pending", None) is not None:

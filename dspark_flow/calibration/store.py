@@ -26,8 +26,9 @@ log = get_logger()
 
 # Bump when the file layout or the meaning of a curve changes. 2: the kernels verifier's
 # invariant mode now runs on the CPU too (MLX's attention and matmuls in chunks of their
-# row-invariant spans), so a CPU verify curve cached before times another forward.
-VERSION = 2
+# row-invariant spans), so a CPU verify curve cached before times another forward. 3: a feature
+# drafter's curve includes taking one new row into its context per proposal, as in the loop.
+VERSION = 3
 ENV_DIR = "DSPARK_FLOW_CALIBRATION_DIR"  # separate from DSPARK_FLOW_HOME (which moves models too)
 
 

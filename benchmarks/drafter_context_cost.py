@@ -1,0 +1,85 @@
+"""What calibration charges a drafting round, with and without the drafter's context growth.
+
+The decode loop's proposal first takes the rows committed since the last one into the
+drafter's context (`extend_context`); calibration used to time proposals on one unchanged
+history, which leaves that out. This times the shipped drafter's proposals both ways on the
+embedded target (the CLI's verifier) and prints, per k, the drafter's cost and what a drafting
+round is charged over a plain step (verify of k + 1 rows plus the drafter, over verify of one
+row), to set beside the loop's own ratio (`off_rounds.py --rounds`: a drafting round's ms over
+an off round's).
+
+    python benchmarks/drafter_context_cost.py [--drafter dflash] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--drafter", choices=("dspark", "dflash"), default="dspark")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="write the figures here as JSON")
+    args = p.parse_args(argv)
+
+    from unittest import mock
+
+    from dspark_flow.api import load_target
+    from dspark_flow.calibration import curves as curves_mod
+    from dspark_flow.pipeline import Pipeline
+    from dspark_flow.strategies.samplers.greedy import GreedySampler
+
+    model, tok = load_target("builtin:smollm2-135m")
+    section = {
+        "kind": args.drafter,
+        "checkpoint": f"builtin:smollm2-135m-{args.drafter}",
+        "draft_vocab": 8192,
+        "prompt_lookup": True,
+    }
+    verifier = {"kind": "kernels", "invariant": True, "compile_layers": True,
+                "fuse_projections": True, "prefer_stock": True}  # fmt: skip
+    recipe = {"drafter": section, "verifier": verifier, "draft_cap": {"kind": "auto"}}
+    pipe = Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
+    drafter, curves = pipe.drafter, pipe.draft_cap.curves
+    block = curves.block
+    history = curves_mod.sample_history(tok)
+
+    def forward(m: Any, tokens: list[int], cache: list[Any]) -> Any:
+        return pipe.verifier.forward(m, tokens, cache)
+
+    def timed(grow: bool) -> list[float]:
+        # Without growth: the sentinel the check compares against is the drafter's own method.
+        sentinel = curves_mod.Drafter if grow else type(drafter)
+        with mock.patch.object(curves_mod, "Drafter", sentinel):
+            return curves_mod.measure_drafter(
+                drafter, history, block, GreedySampler(), model=model, forward=forward,
+                repeats=args.repeats, warmup=2,
+            )  # fmt: skip
+
+    rows: dict[str, list[float]] = {}
+    for trial in range(2):  # interleaved: a slow phase hits both alike
+        for grow in (False, True):
+            name = "with one new row" if grow else "unchanged history"
+            found = timed(grow)
+            rows[name] = found if trial == 0 else [min(a, b) for a, b in zip(rows[name], found)]
+    depth = len(history)
+    plain = curves.verify_cost(1, depth)
+    print(f"{args.drafter}: verify of one row {1000 * plain:.3f} ms at depth {depth}")
+    print("k | drafter ms, unchanged | with one new row | round / plain step, unchanged | new")
+    for k in range(1, block + 1):
+        verify = curves.verify_cost(k + 1, depth)
+        old, new = rows["unchanged history"][k], rows["with one new row"][k]
+        print(f"{k} | {1000 * old:.3f} | {1000 * new:.3f} | {(verify + old) / plain:.2f} | "
+              f"{(verify + new) / plain:.2f}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"drafter": args.drafter, "depth": depth, "plain": plain, **rows}, f)
+
+
+if __name__ == "__main__":
+    main()
