@@ -1007,6 +1007,6 @@ def test_calibration_times_the_drafters_context_growth(tmp_path, tiny4):
         drafter, history, 3, GreedySampler(), model=tiny4, repeats=2, warmup=1
     )
     assert len(found) == 4 and found[0] == 0.0 and all(t > 0 for t in found[1:])
-    # One new row before each of the 3 x 3 timed proposals; the first takes the prompt's rows
-    # with it.
+    # One new row before each of the 3 x 3 proposals (one warm-up pass, two timed); the first
+    # takes the prompt's rows with it.
     assert grown == [len(history) - 1 + 1] + [1] * 8

@@ -255,8 +255,9 @@ def measure_drafter(
     features (dspark, dflash) need it. Such a drafter then also meets, before each timed
     proposal, one new committed row to take into its context, as in a round whose drafts were
     all rejected: the loop's proposals pay that, and timing proposals on one unchanged history
-    left it out (on the H200 the loop's drafting rounds took 1.98-2.28x a plain step where the
-    curves charged 1.78-1.80x, docs/benchmarks.md §3).
+    left it out (on the H200 DSpark's drafting rounds took 1.98-2.28x a plain step where the
+    curves charged 1.78-1.80x; how much of that gap this is was not measured there,
+    docs/benchmarks.md §3).
     """
     import mlx.core as mx
 
@@ -278,10 +279,12 @@ def measure_drafter(
         own = getattr(type(drafter), "after_forward", Drafter.after_forward)
         if own is not Drafter.after_forward:  # it reads the target's features
 
-            def grow() -> None:  # untimed: the target forwards the anchor, which is committed
+            def grow_context() -> None:  # untimed: the target forwards the anchor, committed
                 mx.eval(forward(model, history[-1:], cache))
                 drafter.after_forward(1)
                 history.append(history[len(history) // 2])
+
+            grow = grow_context
 
     # A block drafter copying runs first would copy the history's repeated span: time its pass.
     propose = getattr(drafter, "propose_block", drafter.propose)
