@@ -1007,6 +1007,23 @@ def test_round_cost_ratios_learn_each_row_count_and_kind_apart():
     assert est.ratio(3, drafted=True) == pytest.approx((4 * 2.0 + 2.001 + 3.0) / 6, abs=0.011)
 
 
+def drive(cap, rounds: int, accept: float, block: int, slower_plain: float = 1.0) -> list[int]:
+    """Run `cap` for `rounds` rounds on a drafter whose every draft position is accepted with
+    `accept` (seeded), each round taking what the curves charge (a plain step `slower_plain`
+    times that); returns k per round."""
+    rng = random.Random(0)
+    ks = []
+    for _ in range(rounds):
+        k = cap.choose(block)
+        got = 0
+        while got < k and rng.random() < accept:
+            got += 1
+        charge = cap.curves.round_cost(k, cap.depth)
+        cap.observe(k, got, charge * (slower_plain if k == 0 else 1.0))
+        ks.append(k)
+    return ks
+
+
 def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
     """A synthetic case: the curves overcharge a plain step (0.75x) but charge drafting rounds
     right, so a drafter whose drafts gain about 10% by the curves loses about 18% in fact. One
@@ -1018,16 +1035,7 @@ def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
     for by_rows in (False, True):
         cap = AutoCap(AutoCapConfig(round_cost_by_rows=by_rows), curves=curves)
         cap.begin([0] * 64)
-        rng = random.Random(0)
-        ks = []
-        for _ in range(300):
-            k = cap.choose(block)
-            got = 0
-            while got < k and rng.random() < 0.3:
-                got += 1
-            plain = k == 0
-            cap.observe(k, got, curves.round_cost(k, cap.depth) * (0.75 if plain else 1.0))
-            ks.append(k)
+        ks = drive(cap, 300, 0.3, block, slower_plain=0.75)
         off_share[by_rows] = sum(k == 0 for k in ks[100:]) / 200
         if by_rows:
             assert cap.round_costs.ratio(1, drafted=False) == pytest.approx(0.75, abs=0.011)
@@ -1063,16 +1071,7 @@ def test_auto_by_row_count_keeps_probes_out_and_retimes_plain_steps():
     # A drafter accepted almost always: auto drafts, and a plain step is timed now and then.
     cap = AutoCap(AutoCapConfig(round_cost_by_rows=True), curves=curves)
     cap.begin([0] * 64)
-    rng = random.Random(0)
-    plain_at = []
-    for i in range(600):
-        k = cap.choose(block)
-        got = 0
-        while got < k and rng.random() < 0.95:
-            got += 1
-        cap.observe(k, got, curves.round_cost(k, cap.depth))
-        if k == 0:
-            plain_at.append(i)
+    plain_at = [i for i, k in enumerate(drive(cap, 600, 0.95, block)) if k == 0]
     assert cap.round_costs.knows(1, drafted=False)
     later = [i for i in plain_at if i > 200]
     assert len(later) >= 2
