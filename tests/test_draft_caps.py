@@ -184,16 +184,22 @@ def synthetic(verify_of_rows, block: int = 16, depths=(64,), drafter: float = 0.
     return Curves(depths=list(depths), verify=rows, drafter=[0.0] + [drafter] * block)
 
 
-def geometric_rounds(cap, rng, accept: float, rounds: int, max_k: int) -> list[tuple[int, int]]:
+def geometric_rounds(
+    cap, rng, accept: float, rounds: int, max_k: int, plain_charge: float | None = None
+) -> list[tuple[int, int]]:
     """`rounds` rounds of a drafter whose every drafted position is accepted with `accept`:
-    (k chosen, tokens accepted) per round, each observed by `cap`."""
+    (k chosen, tokens accepted) per round, each observed by `cap`: untimed, or with
+    `plain_charge` as taking what the cap's curves charge (a plain step that times as much)."""
     out = []
     for _ in range(rounds):
         k = cap.choose(max_k)
         got = 0
         while got < k and rng.random() < accept:
             got += 1
-        cap.observe(k, got, 0.0)
+        seconds = 0.0
+        if plain_charge is not None:
+            seconds = cap.curves.round_cost(k, cap.depth) * (plain_charge if k == 0 else 1.0)
+        cap.observe(k, got, seconds)
         out.append((k, got))
     return out
 
@@ -1007,21 +1013,10 @@ def test_round_cost_ratios_learn_each_row_count_and_kind_apart():
     assert est.ratio(3, drafted=True) == pytest.approx((4 * 2.0 + 2.001 + 3.0) / 6, abs=0.011)
 
 
-def drive(cap, rounds: int, accept: float, block: int, slower_plain: float = 1.0) -> list[int]:
-    """Run `cap` for `rounds` rounds on a drafter whose every draft position is accepted with
-    `accept` (seeded), each round taking what the curves charge (a plain step `slower_plain`
-    times that); returns k per round."""
-    rng = random.Random(0)
-    ks = []
-    for _ in range(rounds):
-        k = cap.choose(block)
-        got = 0
-        while got < k and rng.random() < accept:
-            got += 1
-        charge = cap.curves.round_cost(k, cap.depth)
-        cap.observe(k, got, charge * (slower_plain if k == 0 else 1.0))
-        ks.append(k)
-    return ks
+def drive(cap, rounds: int, accept: float, block: int, plain_charge: float = 1.0) -> list[int]:
+    """k per round of `geometric_rounds` (seeded), each round timed as charged."""
+    rounds_run = geometric_rounds(cap, random.Random(0), accept, rounds, block, plain_charge)
+    return [k for k, _ in rounds_run]
 
 
 def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
@@ -1035,7 +1030,7 @@ def test_auto_by_row_count_prices_the_drafting_premium_one_offset_misses():
     for by_rows in (False, True):
         cap = AutoCap(AutoCapConfig(round_cost_by_rows=by_rows), curves=curves)
         cap.begin([0] * 64)
-        ks = drive(cap, 300, 0.3, block, slower_plain=0.75)
+        ks = drive(cap, 300, 0.3, block, plain_charge=0.75)
         off_share[by_rows] = sum(k == 0 for k in ks[100:]) / 200
         if by_rows:
             assert cap.round_costs.ratio(1, drafted=False) == pytest.approx(0.75, abs=0.011)
