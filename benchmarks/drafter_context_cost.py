@@ -8,7 +8,11 @@ round is charged over a plain step (verify of k + 1 rows plus the drafter, over 
 row), to set beside the loop's own ratio (`off_rounds.py --rounds`: a drafting round's ms over
 an off round's).
 
-    python benchmarks/drafter_context_cost.py [--drafter dflash] [--repeats 7]
+    python benchmarks/drafter_context_cost.py [--drafter dflash] [--repeats 7] [--plain-verifier]
+
+On a fresh H200 the warm-up (the kernels verifier's probes, the calibration) took over 110 s
+before the first line; `--plain-verifier` skips the probes (the drafter's cost does not depend
+on the verifier, the plain-step ratio does a little).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--drafter", choices=("dspark", "dflash"), default="dspark")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--plain-verifier", action="store_true", help="the reference verifier (a shorter warm-up)"
+    )
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
 
@@ -43,7 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     verifier = {"kind": "kernels", "invariant": True, "compile_layers": True,
                 "fuse_projections": True, "prefer_stock": True}  # fmt: skip
+    if args.plain_verifier:
+        verifier = {"kind": "reference"}
     recipe = {"drafter": section, "verifier": verifier, "draft_cap": {"kind": "auto"}}
+    print(f"warming up the {args.drafter} pipeline (verifier {verifier['kind']})", flush=True)
     pipe = Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
     drafter, curves = pipe.drafter, pipe.draft_cap.curves
     block = curves.block
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             rows[name] = found if trial == 0 else [min(a, b) for a, b in zip(rows[name], found)]
     depth = len(history)
     plain = curves.verify_cost(1, depth)
-    print(f"{args.drafter}: verify of one row {1000 * plain:.3f} ms at depth {depth}")
+    print(f"{args.drafter}: verify of one row {1000 * plain:.3f} ms at depth {depth}", flush=True)
     print("k | drafter ms, unchanged | with one new row | round / plain step, unchanged | new")
     for k in range(1, block + 1):
         verify = curves.verify_cost(k + 1, depth)

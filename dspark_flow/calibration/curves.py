@@ -100,7 +100,8 @@ class Curves:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Curves:
-        """Raises ValueError/TypeError/KeyError on anything malformed (the store then re-measures)."""
+        """Raises ValueError/TypeError/KeyError on anything malformed (the store then
+        re-measures)."""
         return cls(
             depths=[int(d) for d in data["depths"]],
             verify=[[float(t) for t in row] for row in data["verify"]],

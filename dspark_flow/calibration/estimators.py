@@ -230,8 +230,9 @@ class RoundCostOffset:
     the H200 the host's speed moved by 1.5x between calls of one lease, and the cached curves
     charged one row 1.5-2.2x the loop's greedy step (docs/benchmarks.md §3). Each residual is
     clipped to `clip` times the charge, so one round that compiled a new shape or met a
-    pause moves the estimate by at most clip / window of a charge. Nothing is reported until `min_rounds` rounds are in; a
-    round timed at 0 s (a replay that charges nothing, a caller without a clock) is no evidence.
+    pause moves the estimate by at most clip / window of a charge. Nothing is reported until
+    `min_rounds` rounds are in; a round timed at 0 s (a replay that charges nothing, a caller
+    without a clock) is no evidence.
     """
 
     def __init__(self, window: float = 64.0, clip: float = 2.0, min_rounds: float = 8.0):
