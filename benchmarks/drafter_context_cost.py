@@ -2,8 +2,8 @@
 
 The decode loop's proposal first takes the rows committed since the last one into the
 drafter's context (`extend_context`); calibration used to time proposals on one unchanged
-history, which leaves that out. This times the shipped drafter's proposals both ways on the
-embedded target (the CLI's verifier) and prints, per k, the drafter's cost and what a drafting
+history, which leaves that out. This builds the shipped recipe (`recipes/<drafter>.yaml`) as
+`dspark-flow run` does, times its drafter's proposals both ways and prints, per k, the drafter's cost and what a drafting
 round is charged over a plain step (verify of k + 1 rows plus the drafter, over verify of one
 row), to set beside the loop's own ratio (`off_rounds.py --rounds`: a drafting round's ms over
 an off round's).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
@@ -34,42 +35,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
 
-    from unittest import mock
-
-    from dspark_flow.api import load_target
     from dspark_flow.calibration import curves as curves_mod
     from dspark_flow.pipeline import Pipeline
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
     from dspark_flow.strategies.samplers.greedy import GreedySampler
 
-    model, tok = load_target("builtin:smollm2-135m")
-    section = {
-        "kind": args.drafter,
-        "checkpoint": f"builtin:smollm2-135m-{args.drafter}",
-        "draft_vocab": 8192,
-        "prompt_lookup": True,
-    }
-    verifier = {"kind": "kernels", "invariant": True, "compile_layers": True,
-                "fuse_projections": True, "prefer_stock": True}  # fmt: skip
-    if args.plain_verifier:
-        verifier = {"kind": "reference"}
-    recipe = {"drafter": section, "verifier": verifier, "draft_cap": {"kind": "auto"}}
-    print(f"warming up the {args.drafter} pipeline (verifier {verifier['kind']})", flush=True)
-    pipe = Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
-    drafter, curves = pipe.drafter, pipe.draft_cap.curves
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{args.drafter}.yaml"
+    overrides = ["verifier={kind: reference}"] if args.plain_verifier else []
+    print(f"warming up {recipe.name} (overrides: {overrides or 'none'})", flush=True)
+    pipe = Pipeline.from_yaml(recipe, overrides, defaults=TOOL_DEFAULTS).warm_up()
+    c = pipe.components
+    assert c is not None
+    drafter, curves = c.drafter, c.draft_cap.curves
     block = curves.block
-    history = curves_mod.sample_history(tok)
+    history = curves_mod.sample_history(c.tokenizer)
 
     def forward(m: Any, tokens: list[int], cache: list[Any]) -> Any:
-        return pipe.verifier.forward(m, tokens, cache)
+        return c.verifier.forward(m, tokens, cache)
 
     def timed(grow: bool) -> list[float]:
-        # Without growth: the sentinel the check compares against is the drafter's own method.
-        sentinel = curves_mod.Drafter if grow else type(drafter)
-        with mock.patch.object(curves_mod, "Drafter", sentinel):
-            return curves_mod.measure_drafter(
-                drafter, history, block, GreedySampler(), model=model, forward=forward,
-                repeats=args.repeats, warmup=2,
-            )  # fmt: skip
+        return curves_mod.measure_drafter(
+            drafter, history, block, GreedySampler(), model=c.model, forward=forward,
+            repeats=args.repeats, warmup=2, grow_context=grow,
+        )  # fmt: skip
 
     rows: dict[str, list[float]] = {}
     for trial in range(2):  # interleaved: a slow phase hits both alike

@@ -248,6 +248,7 @@ def measure_drafter(
     repeats: int = 5,
     warmup: int = 1,
     tick: Callable[[], object] | None = None,
+    grow_context: bool = True,
 ) -> list[float]:
     """Median seconds of `drafter.propose(history, k)` for k = 0..block (index k).
 
@@ -258,7 +259,8 @@ def measure_drafter(
     all rejected: the loop's proposals pay that, and timing proposals on one unchanged history
     left it out (on the H200 DSpark's drafting rounds took 1.98-2.28x a plain step where the
     curves charged 1.78-1.80x; how much of that gap this is was not measured there,
-    docs/benchmarks.md §3).
+    docs/benchmarks.md §3). `grow_context=False` times proposals on the unchanged history, as
+    before (`benchmarks/drafter_context_cost.py` sets the two side by side).
     """
     import mlx.core as mx
 
@@ -278,7 +280,7 @@ def measure_drafter(
                 drafter.after_forward(len(chunk))
             mx.eval([entry.state for entry in cache])
         own = getattr(type(drafter), "after_forward", Drafter.after_forward)
-        if own is not Drafter.after_forward:  # it reads the target's features
+        if grow_context and own is not Drafter.after_forward:  # it reads the target's features
 
             def grow_context() -> None:  # untimed: the target forwards the anchor, committed
                 mx.eval(forward(model, history[-1:], cache))
