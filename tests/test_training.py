@@ -222,6 +222,62 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         shutil.rmtree(work_dir(recipe), ignore_errors=True)
 
 
+@pytest.mark.slow
+def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
+    """A warm start that is not there fails before the data is made and before --fresh
+    removes anything; an unreadable checkpoint is named in one line, not an internal error."""
+    import uuid
+
+    from dspark_flow.training.run import run_training
+    from dspark_flow.training.trainer import work_dir
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name a colour."]}\n')
+    spec = {
+        "name": f"test-lose-nothing-{uuid.uuid4().hex[:8]}",
+        "drafter": small_recipe("dflash").drafter.model_dump(),
+        "data": {
+            "prompts": [{"path": str(prompts)}],
+            "self_prompts": 0,
+            "max_new_tokens": 16,
+            "max_prompt_tokens": 64,
+            "cache_dir": str(tmp_path / "data"),
+        },
+        "train": {"steps": 1, "batch_size": 2, "seq_len": 96, "anchors_per_seq": 6},
+        "export": {"quantize": None},
+        "output": str(tmp_path / "drafter"),
+    }
+    recipe = TrainRecipe.model_validate(spec)
+    nowhere = TrainRecipe.model_validate(
+        {**spec, "train": {**spec["train"], "init_from": str(tmp_path / "nowhere")}}
+    )
+    try:
+        with pytest.raises(DsparkFlowError, match="no drafter"):  # before the data stage
+            run_training(nowhere, stages=("data", "train"), progress=False)
+        assert not (tmp_path / "data").exists()
+        run_training(recipe, stages=("data", "train"), progress=False)
+        checkpoints = work_dir(recipe) / "checkpoints"
+        saved = sorted(checkpoints.glob("step_*"))
+        assert saved
+        with pytest.raises(DsparkFlowError, match="no drafter"):
+            run_training(nowhere, stages=("train",), progress=False, fresh=True)
+        assert sorted(checkpoints.glob("step_*")) == saved  # --fresh removed nothing
+
+        (saved[-1] / "trainer.json").write_text("{garbage")
+        with pytest.raises(DsparkFlowError, match="is unreadable") as info:
+            run_training(recipe, stages=("train",), progress=False)
+        assert str(saved[-1]) in str(info.value) and "\n" not in str(info.value)
+        (saved[-1] / "trainer.json").write_text('{"step": 1}')
+        weights = saved[-1] / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        with pytest.raises(DsparkFlowError, match="is unreadable"):
+            run_training(recipe, stages=("export",), progress=False)
+        assert not (tmp_path / "drafter").exists()
+    finally:
+        shutil.rmtree(work_dir(recipe), ignore_errors=True)
+        shutil.rmtree(work_dir(nowhere), ignore_errors=True)
+
+
 def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
     model, tok = embedded
     DrafterTrainer(small_recipe("dflash", steps=2), progress=False, checkpoints=tmp_path).warm_up(

@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
         start = recipe.train.init_from
         if start and not Path(start).exists():  # a later stage may check before an earlier runs
             print(
-                f"note: train.init_from {start} does not exist yet: train it first, or a fresh "
-                "run stops there after making the data",
+                f"note: train.init_from {start} does not exist yet: train it first (a fresh "
+                "run stops there, before making the data)",
                 file=sys.stderr,
             )
         print(f"{args.recipe}: ok ({recipe.drafter.kind}, block {recipe.drafter.block_size})")

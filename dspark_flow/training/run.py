@@ -85,6 +85,7 @@ def run_training(
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
     from dspark_flow.training.export import size_mb
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
+    from dspark_flow.training.warm_start import require_init_from
 
     t_start = time.perf_counter()
     worker = DataWorker.parse(data_worker) if data_worker else DataWorker()
@@ -96,6 +97,9 @@ def run_training(
     )
     check_against_target(recipe, target)  # a drafter that cannot fit fails before any work
     trainer = DrafterTrainer(recipe, progress=progress)
+    if "train" in stages and (fresh or trainer.latest_checkpoint() is None):
+        # A new drafter's warm start must be there before hours of data making, not after.
+        require_init_from(recipe.train.init_from)
     out = recipe.output_dir()
     # Stages run in separate calls (data and training on a GPU, evaluation elsewhere, training
     # paused by time limits) add to one summary: keep what earlier runs recorded. The work dir's
@@ -146,13 +150,15 @@ def run_training(
     if "train" in stages:
         trainer.warm_up(target, tok)
         if fresh:
+            if recipe.train.init_from:  # a warm start that fails must leave the checkpoints
+                trainer.start_from_init()
             trainer.clear_checkpoints()
         elif trainer.resume():
             summary["resumed_from_step"] = trainer.step
         resumed_from = trainer.step
         if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
             previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
-            if recipe.train.init_from:
+            if recipe.train.init_from and not fresh:
                 trainer.start_from_init()
         t0 = time.perf_counter()
         deadline = t_start + time_limit if time_limit is not None else None

@@ -9,6 +9,7 @@ have: resume restores weights, optimizer state and the step, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -36,6 +37,8 @@ from dspark_flow.training.losses import LossWeights, draft_losses
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from dspark_flow.training.data import Sample
 
 log = get_logger(__name__)
@@ -446,7 +449,7 @@ class DrafterTrainer:
         ckpt = self.latest_checkpoint()
         if ckpt is None:
             return False
-        state = json.loads((ckpt / STATE).read_text())
+        state = _read_state(ckpt)
         if state.get("key") != recipe_key(self.recipe):
             raise DsparkFlowError(
                 f"checkpoint {ckpt} belongs to a different version of recipe {self.recipe.name!r}; "
@@ -454,8 +457,9 @@ class DrafterTrainer:
             )
         self.started_from = state.get("init_from")
         self._check_same_source(ckpt)
-        self.model.load_weights(str(ckpt / WEIGHTS), strict=True)
-        opt_state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER)).items()))
+        with _unreadable(ckpt):
+            self.model.load_weights(str(ckpt / WEIGHTS), strict=True)
+            opt_state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER)).items()))
         self.optimizer.state = opt_state
         self.step = int(state["step"])
         self.history = list(state.get("history", []))
@@ -486,7 +490,8 @@ class DrafterTrainer:
         ckpt = ckpt or self.latest_checkpoint()
         if ckpt is None:
             raise DsparkFlowError(f"no checkpoint in {self.checkpoints} (run the train stage)")
-        weights = mx.load(str(Path(ckpt) / WEIGHTS))
+        with _unreadable(ckpt):
+            weights = mx.load(str(Path(ckpt) / WEIGHTS))
         frozen = {k for k, _ in tree_flatten(self.model.parameters())} - {
             k for k, _ in tree_flatten(self.model.trainable_parameters())
         }
@@ -506,8 +511,7 @@ class DrafterTrainer:
             )
         self.model.load_weights(list(weights.items()), strict=False)
         mx.eval(self.model.parameters())
-        state = Path(ckpt) / STATE
-        self.step = int(json.loads(state.read_text())["step"]) if state.is_file() else 0
+        self.step = int(_read_state(ckpt)["step"]) if (Path(ckpt) / STATE).is_file() else 0
         return self.step
 
     def clear_checkpoints(self) -> None:
@@ -553,3 +557,26 @@ def _as_shipped(w: mx.array, recipe: TrainRecipe) -> mx.array:
         return w
     q = mx.quantize(w, group_size=e.group_size, bits=e.quantize)
     return mx.dequantize(*q, group_size=e.group_size, bits=e.quantize)
+
+
+@contextlib.contextmanager
+def _unreadable(ckpt: Path) -> Iterator[None]:
+    """A truncated or corrupt checkpoint file as one line naming the checkpoint (mlx raises
+    RuntimeError or ValueError from its loaders)."""
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DsparkFlowError(
+            f"checkpoint {ckpt} is unreadable ({first}): remove it to use the one before, or "
+            "pass --fresh to start over"
+        ) from e
+
+
+def _read_state(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state (step, recipe key, history)."""
+    with _unreadable(ckpt):
+        state = json.loads((Path(ckpt) / STATE).read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError(f"{STATE} holds no step")
+    return state

@@ -82,6 +82,15 @@ def _check_settings(source: Any, ours: Any, kind: str, mask_token_id: int, where
         )
 
 
+def require_init_from(source: str | Path | None) -> None:
+    """One-line DsparkFlowError unless `source` (when set) holds a drafter directory."""
+    if source is not None and not (Path(source) / "config.json").is_file():
+        raise DsparkFlowError(
+            f"train.init_from {source}: no drafter (config.json) there (train or fetch that "
+            "drafter first, or drop train.init_from to start fresh)"
+        )
+
+
 def start_from(
     model: nn.Module, ours: Any, source: Path, kind: str, mask_token_id: int, dtype: mx.Dtype
 ) -> dict[str, Any]:
@@ -91,11 +100,7 @@ def start_from(
 
     source = Path(source)
     where = f"train.init_from {source}"
-    if not (source / "config.json").is_file():
-        raise DsparkFlowError(
-            f"{where}: no drafter (config.json) there (train or fetch that drafter first, or "
-            "drop train.init_from to start fresh)"
-        )
+    require_init_from(source)
     spec = read_spec(source)
     _check_settings(spec, ours, kind, mask_token_id, where)
     layers = spec.backbone.num_layers
