@@ -55,6 +55,51 @@ def test_bench_from_a_malformed_json_or_into_a_file(tmp_path, capsys):
     assert a_file.read_text() == "x"  # nothing lost
 
 
+def test_a_bench_that_fails_early_leaves_no_folder_and_replaces_no_report(tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert main(["bench", QUICKSTART, "--trials", "0", "--out", str(out)]) == 2
+    assert "at least 1" in _one_error_line(capsys) and not out.exists()
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"meta": {}, "runs": [], "summary": []}))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "bench.md").write_text("an earlier report")
+    assert main(["bench", "--from-json", str(empty), "--out", str(kept)]) == 2
+    assert "holds no runs" in _one_error_line(capsys)
+    assert (kept / "bench.md").read_text() == "an earlier report"
+
+
+def test_argument_errors_and_an_empty_prompt_are_one_line(tmp_path, capsys):
+    for argv in (
+        ["run", QUICKSTART],
+        ["run", QUICKSTART, "--prompt", "x", "--max-tokens", "x"],
+        ["train", "r.yaml", "--stage", "bogus"],
+        [],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "--help)" in _one_error_line(capsys)  # no usage block before it
+    assert main(["run", QUICKSTART, "--prompt", "  "]) == 2  # before any model loads
+    assert "the prompt is empty" in _one_error_line(capsys)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# a recipe still to write\n")
+    assert main(["validate", str(empty)]) == 2
+    assert "the recipe is empty" in _one_error_line(capsys)
+    huge = ["validate", QUICKSTART, "--set", "drafter={kind: lookup, max_draft: 99999999999}"]
+    assert main(huge) == 2
+    assert "less than or equal to 1024" in _one_error_line(capsys)
+
+
+def test_a_draft_vocab_that_is_no_array_is_named_as_such(tmp_path):
+    from dspark_flow.models.draft_vocab import VOCAB_FILE, read_draft_vocab
+
+    (tmp_path / VOCAB_FILE).write_text("garbage")
+    with pytest.raises(ConfigError, match="not a .npy array file") as info:
+        read_draft_vocab(tmp_path, 10, 100)
+    assert "pickle" not in str(info.value)
+
+
 def test_zero_repeats_are_refused_not_replaced(capsys):
     recipe = str(REPO / "recipes" / "lookup_auto.yaml")
     assert main(["calibrate", recipe, "--repeats", "0", "--depths", "16"]) == 2

@@ -126,7 +126,9 @@ def test_overrides_apply_and_revalidate():
         "--set drafter.max_draft=zero drafter.max_draft: Input should be a valid integer, unable to parse string as an integer"
     ]
     with pytest.raises(RecipeError, match="expected KEY.PATH=VALUE"):
-        loads_recipe("", overrides=["nonsense"])
+        loads_recipe("{}", overrides=["nonsense"])
+    with pytest.raises(RecipeError, match="the recipe is empty"):
+        loads_recipe("# nothing but a comment\n", "empty.yaml")
 
 
 def test_recipe_round_trips_through_dict():

@@ -417,6 +417,8 @@ OPENAI_CASES = [
     ),
     ("wrong key", "/v1/chat/completions", {"Authorization": "Bearer nope"}, GOOD_CHAT, 401, None),
     ("no key", "/v1/chat/completions", {}, GOOD_CHAT, 401, None),
+    ("key without Bearer", "/v1/chat/completions", {"Authorization": KEY}, GOOD_CHAT, 401, None),
+    ("top_logprobs", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "top_logprobs": 5}, 400, None),
     ("oversize", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "pad": "x" * BODY_LIMIT}, 413, None),
     ("no route", "/v1/nothing", BEARER, GOOD_CHAT, 404, None),
 ]
@@ -475,6 +477,11 @@ def test_anthropic_bad_requests(server, name, headers, body, status, kind):
     assert r.status_code == status, r.text
     data = r.json()
     assert data["type"] == "error" and data["error"]["type"] == kind and data["error"]["message"]
+
+
+def test_an_auth_header_without_its_scheme_is_named(server):
+    r = _post(server, "/v1/chat/completions", {"Authorization": KEY}, GOOD_CHAT)
+    assert r.status_code == 401 and "'Bearer KEY'" in r.json()["error"]["message"]
 
 
 def test_client_library_sees_typed_errors(oai, claude):

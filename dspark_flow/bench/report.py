@@ -105,6 +105,8 @@ def load_json(path: str | Path) -> dict[str, Any]:
         raise DsparkFlowError(f"cannot read bench results {path}: {e}") from e
     if not isinstance(data, dict) or not {"meta", "runs", "summary"} <= set(data):
         raise DsparkFlowError(f"{path} is not a bench.json (needs meta, runs and summary)")
+    if data["runs"] == []:
+        raise DsparkFlowError(f"{path} holds no runs: nothing to render")
     return data
 
 

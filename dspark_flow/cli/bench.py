@@ -116,14 +116,26 @@ def _check_writable(out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_flow.bench.api import MISMATCH_EXIT, bench, write_outputs
-    from dspark_flow.bench.runner import BenchConfig
     from dspark_flow.errors import DsparkFlowError
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DsparkFlowError(f"--out {out} is a file; name a folder for the report")
+    made = not out.exists()
     _check_writable(out)  # before the run: a bench is too long to lose at the last step
+    try:
+        return _run(args, out)
+    except BaseException:
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a bench that failed leaves no empty report folder behind
+        raise
+
+
+def _run(args: argparse.Namespace, out: Path) -> int:
+    from dspark_flow.bench.api import MISMATCH_EXIT, bench, write_outputs
+    from dspark_flow.bench.runner import BenchConfig
+    from dspark_flow.errors import DsparkFlowError
+
     if args.from_json:
         from dspark_flow.bench.report import load_json
 

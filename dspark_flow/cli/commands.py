@@ -56,6 +56,9 @@ def _run(args: argparse.Namespace) -> int:
     # From stdin, less the newline that ends `echo`'s and most files' last line: `echo X |`
     # then asks what `--prompt X` asks.
     prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
+    if not prompt.strip():  # before the model loads: generating from nothing is a slip
+        where = "stdin" if args.prompt == "-" else "--prompt"
+        raise DsparkFlowError(f"the prompt is empty ({where} gave no text)")
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
     pipeline = Pipeline.from_yaml(args.recipe, args.overrides, defaults=TOOL_DEFAULTS)

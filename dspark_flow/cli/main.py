@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from dspark_flow.errors import DsparkFlowError
 
@@ -24,10 +25,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (argparse prints its whole usage block first);
+    subcommands' parsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dspark_flow.cli import commands
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dspark-flow",
         description="Lossless speculative decoding for MLX language models.",
     )

@@ -94,9 +94,9 @@ def read_draft_vocab(directory: Path, n: int, vocab_size: int, who: str = "draft
     try:
         ids = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
-        raise ConfigError(
-            f"{who}: cannot read {path}: {(str(e) or type(e).__name__).splitlines()[0]}"
-        ) from e
+        # numpy reads text that is no .npy as a pickle, and then suggests unpickling it
+        reason = "not a .npy array file" if "pickle" in str(e) else str(e) or type(e).__name__
+        raise ConfigError(f"{who}: cannot read {path}: {reason.splitlines()[0]}") from e
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(f"{path}: expected a 1-D array of token ids, got {ids.dtype} {ids.shape}")
     ids = ids.astype(np.int64)

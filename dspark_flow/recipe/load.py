@@ -292,8 +292,8 @@ def loads_recipe(
     defaults: dict[str, Any] | None = None,
 ) -> Recipe:
     data, root = parse_yaml(text, source)
-    if data is None:
-        data = {}
+    if data is None:  # an empty or all-comment file is a mistake far more often than a choice
+        raise RecipeError(f"{source}: the recipe is empty (write {{}} to take every default)")
     overridden: dict[Loc, str] = {}
     if isinstance(data, dict):
         filled = frozenset(  # mapping sections only: a list slot (stop) is the user's whole

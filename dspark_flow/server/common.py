@@ -200,7 +200,12 @@ def check_api_key(request: Request, key: str | None) -> None:
     if "x-api-key" in request.headers:
         offered.append(request.headers["x-api-key"].strip())
     if not any(hmac.compare_digest(o.encode(), key.encode()) for o in offered):
-        message = "invalid API key" if offered else "missing API key"
+        if offered:
+            message = "invalid API key"
+        elif auth:  # a key sent without its scheme, or another scheme
+            message = "the Authorization header must read 'Bearer KEY'"
+        else:
+            message = "missing API key"
         raise ApiError(401, message, code="invalid_api_key")
 
 

@@ -1,9 +1,10 @@
 """OpenAI-compatible request models and response/SSE builders (chat completions, completions).
 
 Requests are validated strictly (no "10" for 10, no true for 1): a wrong type is a 400 naming
-the parameter, not a silent coercion. Fields this server does not use are ignored, but settings
-that would change the output in a way it cannot honour (n > 1, penalties, logprobs, tools or
-functions, a response_format other than text) are refused rather than dropped.
+the parameter, not a silent coercion. Fields this server does not know are ignored (clients
+send extras such as `user`), but settings that would change the output in a way it cannot honour
+(n > 1, penalties, logprobs, tools or functions, a response_format other than text) are refused
+rather than dropped.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _Common(Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
+    top_logprobs: Any = None
 
     @field_validator("n")
     @classmethod
@@ -78,8 +80,8 @@ class _Common(Strict):
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
+        if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
+            raise ValueError("logprobs and top_logprobs are not supported")
         return self
 
     def stop_list(self) -> list[str]:

@@ -298,7 +298,7 @@ def loads_train_recipe(
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{source} a training recipe is a mapping, got {type(data).__name__}")
+        raise RecipeError(f"{source}: a training recipe is a mapping, got {type(data).__name__}")
     if "data" not in data and {"verifier", "sampler", "draft_cap", "cache", "stop"} & data.keys():
         raise RecipeError(
             f"{source}: this is an inference recipe (no data section): check it with "

@@ -11,7 +11,7 @@ from dspark_flow.strategy import DRAFTER_SOURCE, DraftCap, StrategyConfig
 
 class FixedCapConfig(StrategyConfig):
     kind: Literal["fixed"] = "fixed"
-    k: int = Field(4, ge=1, description="tokens to draft per round")
+    k: int = Field(4, ge=1, le=1024, description="tokens to draft per round (at most 1024)")
 
 
 class FixedCap(DraftCap):

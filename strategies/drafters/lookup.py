@@ -36,7 +36,9 @@ class NgramSearch(Section):
 
 class LookupConfig(StrategyConfig, NgramSearch):
     kind: Literal["lookup"] = "lookup"
-    max_draft: int = Field(16, ge=1, description="most tokens one round may propose")
+    max_draft: int = Field(
+        16, ge=1, le=1024, description="most tokens one round may propose (at most 1024)"
+    )
 
 
 class LookupDrafter(Drafter):
