@@ -48,6 +48,29 @@ def small_recipe(kind: str = "dspark", layers: int = 1, **train: object) -> Trai
     )
 
 
+def run_spec(tmp_path: Path, name: str, steps: int, new_tokens: int) -> dict[str, object]:
+    """A whole training recipe (data from two prompts, a tiny DFlash drafter) for run_training,
+    its data, checkpoints' name and output under `tmp_path` or unique to this call."""
+    import uuid
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name a colour."]}\n')
+    return {
+        "name": f"test-{name}-{uuid.uuid4().hex[:8]}",
+        "drafter": small_recipe("dflash").drafter.model_dump(),
+        "data": {
+            "prompts": [{"path": str(prompts)}],
+            "self_prompts": 0,
+            "max_new_tokens": new_tokens,
+            "max_prompt_tokens": 64,
+            "cache_dir": str(tmp_path / "data"),
+        },
+        "train": {"steps": steps, "batch_size": 2, "seq_len": 96, "anchors_per_seq": 6},
+        "export": {"quantize": None},
+        "output": str(tmp_path / "drafter"),
+    }
+
+
 @pytest.fixture(scope="module")
 def samples(embedded):
     from dspark_flow.api import greedy_generate
@@ -164,29 +187,11 @@ def test_a_time_limit_pauses_at_a_checkpoint(embedded, samples, tmp_path):
 def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
     import json
     import shutil
-    import uuid
 
     from dspark_flow.training.run import run_training, write_card
     from dspark_flow.training.trainer import work_dir
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name a colour."]}\n')
-    recipe = TrainRecipe.model_validate(
-        {
-            "name": f"test-time-limit-{uuid.uuid4().hex[:8]}",
-            "drafter": small_recipe("dflash").drafter.model_dump(),
-            "data": {
-                "prompts": [{"path": str(prompts)}],
-                "self_prompts": 0,
-                "max_new_tokens": 24,
-                "max_prompt_tokens": 64,
-                "cache_dir": str(tmp_path / "data"),
-            },
-            "train": {"steps": 3, "batch_size": 2, "seq_len": 96, "anchors_per_seq": 6},
-            "export": {"quantize": None},
-            "output": str(tmp_path / "drafter"),
-        }
-    )
+    recipe = TrainRecipe.model_validate(run_spec(tmp_path, "time-limit", steps=3, new_tokens=24))
     stages = ("data", "train", "export")
     try:
         first = run_training(recipe, stages=stages, progress=False, time_limit=0.0)
@@ -226,27 +231,11 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
 def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
     """A warm start that is not there fails before the data is made and before --fresh
     removes anything; an unreadable checkpoint is named in one line, not an internal error."""
-    import uuid
 
     from dspark_flow.training.run import run_training
     from dspark_flow.training.trainer import work_dir
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name a colour."]}\n')
-    spec = {
-        "name": f"test-lose-nothing-{uuid.uuid4().hex[:8]}",
-        "drafter": small_recipe("dflash").drafter.model_dump(),
-        "data": {
-            "prompts": [{"path": str(prompts)}],
-            "self_prompts": 0,
-            "max_new_tokens": 16,
-            "max_prompt_tokens": 64,
-            "cache_dir": str(tmp_path / "data"),
-        },
-        "train": {"steps": 1, "batch_size": 2, "seq_len": 96, "anchors_per_seq": 6},
-        "export": {"quantize": None},
-        "output": str(tmp_path / "drafter"),
-    }
+    spec = run_spec(tmp_path, "lose-nothing", steps=1, new_tokens=16)
     recipe = TrainRecipe.model_validate(spec)
     nowhere = TrainRecipe.model_validate(
         {**spec, "train": {**spec["train"], "init_from": str(tmp_path / "nowhere")}}
