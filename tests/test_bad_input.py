@@ -69,7 +69,7 @@ def test_a_bench_that_fails_early_leaves_no_folder_and_replaces_no_report(tmp_pa
     assert (kept / "bench.md").read_text() == "an earlier report"
 
 
-def test_argument_errors_and_an_empty_prompt_are_one_line(tmp_path, capsys):
+def test_argument_errors_empty_inputs_and_huge_drafts_are_one_line(tmp_path, capsys):
     for argv in (
         ["run", QUICKSTART],
         ["run", QUICKSTART, "--prompt", "x", "--max-tokens", "x"],

@@ -149,17 +149,15 @@ def run_training(
         log.info("data ready", **summary["data"])
     if "train" in stages:
         trainer.warm_up(target, tok)
-        if fresh:
-            if recipe.train.init_from:  # a warm start that fails must leave the checkpoints
-                trainer.start_from_init()
-            trainer.clear_checkpoints()
-        elif trainer.resume():
+        if not fresh and trainer.resume():
             summary["resumed_from_step"] = trainer.step
         resumed_from = trainer.step
         if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
             previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
-            if recipe.train.init_from and not fresh:
+            if recipe.train.init_from:  # before --fresh clears: a start that fails loses nothing
                 trainer.start_from_init()
+        if fresh:
+            trainer.clear_checkpoints()
         t0 = time.perf_counter()
         deadline = t_start + time_limit if time_limit is not None else None
         result = trainer.train(samples, deadline=deadline)
