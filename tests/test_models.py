@@ -438,6 +438,11 @@ def test_corrupt_model_files(model_dir, tmp_path):
     (bad / "config.json").write_text('{"hidden_size": 8}')
     with pytest.raises(ModelError, match="names no model_type"):
         load_model_dir(bad, weights="native")
+    # A size of the wrong type is named, not an arithmetic TypeError from inside mlx-lm.
+    config = json.loads((model_dir / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    with pytest.raises(ModelError, match='hidden_size is "abc", expected a number'):
+        load_model_dir(bad, weights="native")
     # No tokenizer files: said plainly, on one line.
     shutil.copy(model_dir / "config.json", bad / "config.json")
     shutil.copy(model_dir / "model.safetensors", bad / "model.safetensors")

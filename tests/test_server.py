@@ -4,6 +4,7 @@ httpx for the bad requests a client library would refuse to send)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -405,6 +406,14 @@ OPENAI_CASES = [
         400,
         "messages[0].role",
     ),
+    (
+        "user content null",
+        "/v1/chat/completions",
+        BEARER,
+        {**GOOD_CHAT, "messages": [{"role": "user", "content": None}]},
+        400,
+        "messages[0]",
+    ),
     ("empty stop", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "stop": [""]}, 400, "stop"),
     ("bad top_p", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "top_p": 0}, 400, "top_p"),
     (
@@ -493,6 +502,23 @@ def test_client_library_sees_typed_errors(oai, claude):
         anthropic.Anthropic(
             base_url=str(claude.base_url), api_key="bad", max_retries=0
         ).messages.create(model=MODEL, max_tokens=2, messages=SHORT)
+
+
+def test_an_over_long_prompt_is_a_400_without_a_tokenizer_warning(server):
+    # The server answers it itself; transformers' "Token indices sequence length" warning
+    # about the same prompt would only clutter the log.
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    transformers_log = logging.getLogger("transformers")
+    transformers_log.addHandler(handler)
+    try:
+        body = {**GOOD_CHAT, "messages": [{"role": "user", "content": "hello " * 9000}]}
+        r = _post(server, "/v1/chat/completions", BEARER, body)
+    finally:
+        transformers_log.removeHandler(handler)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert not [m for m in seen if "Token indices" in m]
 
 
 # -- concurrency and cancellation --------------------------------------------------------------

@@ -267,6 +267,17 @@ def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
         shutil.rmtree(work_dir(nowhere), ignore_errors=True)
 
 
+def test_a_data_stage_that_fails_before_writing_leaves_no_empty_cache(embedded, tmp_path):
+    from dspark_flow.training.data import data_cache_dir
+    from dspark_flow.training.run import run_training
+
+    spec = run_spec(tmp_path, "no-fit", steps=1, new_tokens=8)
+    tight = TrainRecipe.model_validate({**spec, "data": {**spec["data"], "max_prompt_tokens": 8}})
+    with pytest.raises(DsparkFlowError, match="no training prompt fits"):
+        run_training(tight, stages=("data",), progress=False)
+    assert not data_cache_dir(tight).exists()
+
+
 def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
     model, tok = embedded
     DrafterTrainer(small_recipe("dflash", steps=2), progress=False, checkpoints=tmp_path).warm_up(
@@ -434,11 +445,15 @@ def test_export_never_replaces_a_directory_that_is_not_a_drafter(embedded, tmp_p
     assert out.stat().st_mode & 0o005 == 0o005  # readable by others, not 0700 like mkdtemp
 
 
-def test_seq_len_inside_the_prompt_budget_fails_validation():
+def test_seq_len_inside_the_prompt_budget_fails_validation_at_seq_len():
+    text = _recipe_text() + "train:\n  seq_len: 128\n"
+    line = text.splitlines().index("  seq_len: 128") + 1
+    # A check across two fields is located at the one it names first, not at the recipe's top.
     with pytest.raises(
-        RecipeError, match="train.seq_len 128 must exceed data.max_prompt_tokens 384"
+        RecipeError,
+        match=rf"r\.yaml:{line}:12 train\.seq_len: 128 must exceed data\.max_prompt_tokens 384",
     ):
-        loads_train_recipe(_recipe_text() + "train:\n  seq_len: 128\n", "r.yaml")
+        loads_train_recipe(text, "r.yaml")
 
 
 def test_block_size_zero_fails_validation():

@@ -44,6 +44,20 @@ TOKENIZER_FILES = (
     "tiktoken.model",
     "spiece.model",
 )
+# Sizes every mlx-lm architecture reads as numbers; a string there would fail deep inside the
+# model's constructor with an arithmetic TypeError that names no field.
+NUMERIC_CONFIG_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+)
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -147,6 +161,17 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
     return _snapshot(ref, revision)
 
 
+def _check_numeric_sizes(path: Path) -> None:
+    """A ModelError naming the first size in config.json that is not a number."""
+    config = _model_config(path)
+    for key in NUMERIC_CONFIG_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ModelError(
+                f"{path / 'config.json'}: {key} is {json.dumps(value)}, expected a number"
+            )
+
+
 def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple[Any, Any]:
     """Load (model, TokenizerWrapper) from an mlx-lm directory, in weight format `weights`."""
     from mlx_lm.utils import load_model, load_tokenizer
@@ -155,6 +180,7 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
     path = Path(path)
     if "model_type" not in _model_config(path):
         raise ModelError(f"{path / 'config.json'} names no model_type: mlx-lm cannot build it")
+    _check_numeric_sizes(path)
     fmt = choose_weight_format(weights)  # validate before spending time on loading
     try:
         model, config = load_model(path)

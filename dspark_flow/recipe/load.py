@@ -7,6 +7,7 @@ YAML node the problem is about (pydantic's `loc` walked through `yaml.compose`'s
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -150,14 +151,23 @@ def apply_overrides(
     return touched
 
 
+# A check across fields (a model validator) is reported at the model's own location; one that
+# starts its message with the dotted path of the field it is about ("train.seq_len: ...") is
+# located at that field instead.
+_NAMED_FIELD = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+): (.+)", re.DOTALL)
+
+
 def _pydantic_problems(exc: ValidationError, where: _Located, prefix: Loc) -> list[str]:
     out = []
     for err in exc.errors():
         loc = (*prefix, *err["loc"])
         if err["type"] == "extra_forbidden":
             out.append(where.problem(loc, "unknown field", at_key=True))
-        else:
-            out.append(where.problem(loc, str(err["msg"]).removeprefix("Value error, ")))
+            continue
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if (named := _NAMED_FIELD.fullmatch(message)) is not None:
+            loc, message = (*loc, *named.group(1).split(".")), named.group(2)
+        out.append(where.problem(loc, message))
     return out
 
 

@@ -35,6 +35,14 @@ class ChatMessage(Strict):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # OpenAI lets only an assistant turn (one that made tool calls) have no content; a user
+        # turn without any is a client bug better named than answered as an empty turn.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (null only for assistant)")
+        return self
+
     def text(self) -> str:
         return "" if self.content is None else parts_text(self.content, "part")
 

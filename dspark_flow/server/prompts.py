@@ -6,12 +6,17 @@ answered at once even while another request is generating.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from dspark_flow.errors import PromptError
 from dspark_flow.pipeline import check_text
 from dspark_flow.server.common import ApiError
 from dspark_flow.server.engine import Engine
+
+# An over-long prompt gets its own 400 below (`check_budget`); transformers' warning about the
+# same prompt, printed while encoding it, would only put a misleading line in the server's log.
+logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
 
 
 def _check_text(text: Any, where: str, param: str) -> None:

@@ -540,12 +540,31 @@ def build_dataset(
 
     A `worker` other than 0/1 makes only its share; the data is complete (and the manifest says
     so) once every share is on disk, whichever worker finishes last."""
-    d = recipe.data
     cache = data_cache_dir(recipe)
+    created = not cache.exists()
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DsparkFlowError(f"cannot create data cache {cache} ({exc.strerror or exc})") from None
+    try:
+        return _fill_cache(recipe, model, tokenizer, cache, progress, worker)
+    except BaseException:
+        # A stage that fails before writing anything (no prompt fits, a bad template) leaves no
+        # empty folder behind; anything written (self prompts, shards) stays, to resume from.
+        if created and not any(cache.iterdir()):
+            cache.rmdir()
+        raise
+
+
+def _fill_cache(
+    recipe: TrainRecipe,
+    model: Any,
+    tokenizer: Any,
+    cache: Path,
+    progress: bool,
+    worker: DataWorker,
+) -> Path:
+    d = recipe.data
     started = time.perf_counter()
 
     prompts: list[tuple[str, str]] = []

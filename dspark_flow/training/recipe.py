@@ -233,7 +233,7 @@ class TrainRecipe(Section):
     def _room_for_answers(self) -> TrainRecipe:
         if self.train.seq_len <= self.data.max_prompt_tokens:
             raise ValueError(
-                f"train.seq_len {self.train.seq_len} must exceed data.max_prompt_tokens "
+                f"train.seq_len: {self.train.seq_len} must exceed data.max_prompt_tokens "
                 f"{self.data.max_prompt_tokens}: a sequence cut inside its prompt teaches nothing"
             )
         return self
