@@ -212,6 +212,13 @@ class DraftCap(Strategy):
     ) -> None:
         """Feedback after each round."""
 
+    def next_is_plain(self) -> bool:
+        """Asked during a round that drafts nothing, before its feedback: whether the next
+        round will draft nothing too, whatever this one shows. When True the loop launches the
+        next round's forward early (overlapping host and device) and that round drafts nothing
+        even if `choose` then asks for more, so say True only when sure."""
+        return False
+
 
 def _takes_source(method: Any) -> bool:
     params = inspect.signature(method).parameters.values()

@@ -35,8 +35,10 @@ def test_greedy_answers_paris(greedy_refs):
     r = greedy_refs[0]
     # Plain decoding: one token per round; an end-of-sequence token costs a round but is cut.
     assert r.num_rounds in (r.num_tokens - 1, r.num_tokens) and r.mean_accept_len == 1.0
-    # two prefill forwards (the prompt but its last token, then that token) + one per round
-    assert r.target_forwards == r.num_rounds + 2
+    # Two prefill forwards (the prompt but its last token, then that token) + one per round,
+    # + the one launched ahead on the stop token before it was read (plain rounds overlap).
+    assert r.finish_reason == "stop"
+    assert r.target_forwards == r.num_rounds + 3
 
 
 def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
@@ -195,3 +197,78 @@ def test_cli_prompt_from_stdin_asks_what_the_argument_asks(monkeypatch, capsys):
     assert main([*argv, "--prompt", "-"]) == 0
     piped = json.loads(capsys.readouterr().out)
     assert piped["token_ids"] == direct["token_ids"]
+
+
+# -- plain rounds launched before the previous token is read ---------------------------------
+
+
+def _decode_with_overlap(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    from dspark_flow.engine import decode
+
+    monkeypatch.setattr(decode, "OVERLAP_PLAIN_ROUNDS", on)
+
+
+def test_overlapped_plain_rounds_decode_what_reading_first_decodes(embedded, monkeypatch):
+    """Plain rounds launched on the previous round's lazy token give the tokens of rounds that
+    read it first: greedy and seeded sampling, ended by the stop token, a stop string or the
+    budget; and the prefix cache a stopped generation leaves serves the next request alike."""
+    model, tok = embedded
+    cases = [
+        (PROMPTS[0]["turns"][0], {"max_new_tokens": 64}),  # ends on the stop token
+        (PROMPTS[2]["turns"][0], {"max_new_tokens": 17}),  # ends on the budget
+        (PROMPTS[4]["turns"][0], {"max_new_tokens": 40, "stop": [" the"]}),
+        (PROMPTS[3]["turns"][0], {"max_new_tokens": 24, "temperature": 0.9, "seed": 5}),
+    ]
+
+    def decode_all(on: bool) -> list[list[int]]:
+        _decode_with_overlap(monkeypatch, on)
+        out = [greedy_generate(model, tok, p, **kw).token_ids for p, kw in cases]
+        pipe = Pipeline.from_dict(
+            {"cache": {"kind": "prefix"}, "stop": [{"kind": "eos"}]}, target=embedded
+        )
+        first = pipe.generate(PROMPTS[0]["turns"][0], max_new_tokens=64)
+        assert first.finish_reason == "stop"
+        follow = first.text + " And what about Spain?"
+        out.append(pipe.generate(follow, max_new_tokens=24, chat=False).token_ids)
+        return out
+
+    overlapped, read_first = decode_all(True), decode_all(False)
+    assert overlapped == read_first
+    assert len(overlapped[1]) == 17
+
+
+def test_auto_overlaps_its_off_rounds_and_drafts_again_after(embedded, greedy_refs, monkeypatch):
+    """With the shipped DSpark drafter and costs under which it rarely pays, `auto` switches
+    off: its plain rounds are launched ahead (the verify forward gets a lazy token), probes
+    still draft in between (the drafter's features line up with the history), and the output
+    is greedy's."""
+    import mlx.core as mx
+
+    from dspark_flow.calibration.curves import Curves
+    from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
+
+    _decode_with_overlap(monkeypatch, True)
+    curves = Curves(depths=[64], verify=[[1e-3] * 8], drafter=[0.0] + [2.5e-3] * 7)
+    cap = AutoCap(AutoCapConfig(learn_round_cost=False, probe_every=4), curves=curves)
+    recipe = {
+        "drafter": {"kind": "dspark", "checkpoint": "builtin:smollm2-135m-dspark"},
+        "stop": [{"kind": "eos"}, {"kind": "max_tokens", "limit": MAX_NEW}],
+    }
+    pipe = Pipeline.from_dict(recipe, target=embedded, draft_cap=cap).warm_up()
+    forward = pipe.verifier.forward
+    lazy_inputs: list[bool] = []
+
+    def recorded(model, tokens, cache):
+        lazy_inputs.append(isinstance(tokens, mx.array) and tokens.size == 1)
+        return forward(model, tokens, cache)
+
+    pipe.verifier.forward = recorded
+    for prompt, ref in list(zip(PROMPTS, greedy_refs))[:3]:
+        before = dict(cap.chosen)
+        res = pipe.generate(prompt["turns"][0], max_new_tokens=MAX_NEW)
+        assert res.token_ids == ref.token_ids
+        drafted = sum(n for k, n in cap.chosen.items() if k > 0) - sum(
+            n for k, n in before.items() if k > 0
+        )
+        assert drafted > 0  # probes (or drafting) between the overlapped off rounds
+    assert sum(lazy_inputs) > 10

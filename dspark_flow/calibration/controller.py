@@ -528,6 +528,15 @@ class CurveCap(DraftCap):
         state.off_key = situation if situation is not None else self._situation(limit)
         return self._off_round(state, limit)
 
+    def next_is_plain(self) -> bool:
+        """Off, and the next off round is no probe. (The decision is retaken only when its
+        situation moves: at a depth step or a new learnt offset, every few hundred rounds; a
+        round that then plans a draft drafts nothing once.)"""
+        state = self.current
+        if not self.adaptive or state.off_key is None or self.config.plan_sources_apart:
+            return False
+        return state.off_every is None or state.off_rounds + 1 < state.off_every
+
     def _time_a_plain_step(self) -> bool:
         """Whether this round should draft nothing so that a plain step gets timed: drafting
         rounds alone would leave its ratio to the curves unknown, and the plan would then

@@ -4,6 +4,12 @@ Plain decoding is this loop with a drafter that proposes nothing. Each round doe
 forward over [last committed token] + draft, the loop's one host sync (inside the sampler's
 verify; a drafter that must see its own tokens syncs in `propose` too), trims the rejected tail
 from the cache and checks the stop rules on what was committed.
+
+A plain round (k = 0) whose next round is known to be plain too overlaps the two: it launches
+the next round's forward on its own token while that token is still lazy, and only then reads
+it, so the host builds one graph while the device runs the other (mlx-lm's `generate_step`
+does the same). The forwards are the ones the loop would run anyway, in the same order, so the
+output is unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from dspark_flow.strategy import (
 )
 
 PREFILL_CHUNK = 512  # bounds activation memory on long prompts
+# Overlap consecutive plain rounds (see the module docstring); benchmarks turn it off to compare.
+OVERLAP_PLAIN_ROUNDS = True
 
 
 @dataclass
@@ -121,6 +129,8 @@ def decode(
     t_first = time.perf_counter()
 
     accept_lengths: list[int] = []
+    overlap = OVERLAP_PLAIN_ROUNDS
+    ahead: mx.array | None = None  # logits of a plain round launched on the last token
     finish = "length"
     stopped_by_text = False
     start = 0
@@ -153,22 +163,49 @@ def decode(
                 source = c.drafter.source(history)
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
+        if ahead is not None:  # this round's forward is in flight already: it drafts nothing
+            k = 0
         draft = c.drafter.propose(history, k) if k > 0 else Draft()
         if draft.pending is not None:  # the drafter computes while the verify graph is built
             mx.async_eval(draft.pending)
-        logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
-        accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
+        features_taken = ahead is not None  # after_forward ran when that forward was built
+        if ahead is not None:
+            logits, ahead = ahead, None
+        else:
+            logits = c.verifier.forward(c.model, draft.ids(generated[-1]), cache)
+            forwards += 1
+        if (
+            k == 0
+            and overlap
+            and (budget is None or len(generated) + 1 < budget)
+            and (not drafting or c.draft_cap.next_is_plain())
+        ):
+            if drafting and not features_taken:  # before the next forward replaces the taps
+                c.drafter.after_forward(1)
+                features_taken = True
+            token = c.sampler.sample(logits[-1])
+            ahead = c.verifier.forward(c.model, token.reshape(1), cache)
+            forwards += 1
+            if drafting:  # the next round's row, committed when that round reads its token
+                c.drafter.after_forward(1)
+            mx.async_eval(ahead)
+            accepted, next_token = 0, int(token.item())
+        else:
+            accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
         if draft.pending is not None:  # a sampler claiming resolves_pending that did not
             raise ConfigError(f"sampler {type(c.sampler).__name__} left the draft's ids pending")
         c.cache.trim(cache, len(draft.tokens) - accepted)
-        forwards += 1
         start = len(generated)
         generated += [*draft.tokens[:accepted], next_token]
         accept_lengths.append(accepted + 1)
         if drafting:
-            c.drafter.after_forward(accepted + 1)  # rows of [last token, accepted drafts]
+            if not features_taken:
+                c.drafter.after_forward(accepted + 1)  # rows of [last token, accepted drafts]
             c.drafter.observe(len(draft.tokens), accepted)
             c.draft_cap.observe(len(draft.tokens), accepted, time.perf_counter() - t_round, source)
+
+    if ahead is not None:  # a stop ended the generation with the next forward in flight
+        c.cache.trim(cache, 1)
 
     text = stream.finish(generated, stopped_by_text)
     for piece in pending:
