@@ -272,3 +272,18 @@ def test_auto_overlaps_its_off_rounds_and_drafts_again_after(embedded, greedy_re
         )
         assert drafted > 0  # probes (or drafting) between the overlapped off rounds
     assert sum(lazy_inputs) > 10
+
+
+def test_a_recipe_without_a_token_budget_stops_where_the_context_ends(embedded):
+    """No stop rule bounds the output: the loop stops at the model's trained context rather
+    than run on (it used to, until memory ran out)."""
+    from tests.tiny import tiny_model
+
+    _, tok = embedded
+    model = tiny_model(seed=1)
+    model.args.max_position_embeddings = 48
+    pipe = Pipeline.from_dict({"stop": []}, target=(model, tok))
+    prompt = "Count to ten."
+    res = pipe.generate(prompt)
+    assert res.finish_reason == "length"
+    assert res.num_tokens == 48 - len(pipe.encode_prompt(prompt))

@@ -567,6 +567,13 @@ BAD = {
         ["9", "out of range"],
     ),
     "no-mask": (lambda c, t: c.pop("mask_token_id"), ModelError, ["mask_token_id"]),
+    # Past the embedding it would be read out of bounds at the first draft (a segfault on CPU).
+    "mask-out-of-vocab": (
+        lambda c, t: c.__setitem__("mask_token_id", 99999),
+        ModelError,
+        ["mask_token_id 99999", "outside the vocabulary"],
+    ),
+    "block-0": (lambda c, t: c.__setitem__("block_size", 0), ModelError, ["block_size 0"]),
 }
 
 

@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any
 
 from dspark_flow.engine.decode import PREFILL_CHUNK
+from dspark_flow.models.context import context_limit
 from dspark_flow.strategy import Drafter
 
 DEFAULT_DEPTHS: tuple[int, ...] = (64, 512, 2048)
@@ -123,16 +124,6 @@ def monotone_fit(values: Sequence[float]) -> list[float]:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-
-
-def context_limit(model: Any) -> int | None:
-    """The model's trained context length, when its config says."""
-    args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "max_seq_len", "n_ctx", "context_length"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def usable_depths(depths: Sequence[int], rows: int, limit: int | None) -> list[int]:

@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from dspark_flow.engine.textstream import TextStream
 from dspark_flow.errors import ConfigError, PromptError
+from dspark_flow.models.context import context_limit
 from dspark_flow.result import GenResult
 from dspark_flow.strategy import (
     DRAFTER_SOURCE,
@@ -119,6 +120,11 @@ def decode(
     pending: list[str] = []
     stream = TextStream(c.tokenizer, c.stops, pending.append if stream_text else None)
     budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)
+    context_end = None
+    if budget is None and (limit := context_limit(c.model)) is not None:
+        # No rule bounds the output (a recipe without max_tokens): stop where the model's
+        # trained context ends rather than run on until memory does.
+        budget = context_end = max(1, limit - len(prompt_ids))
     drafting = c.drafter.max_draft != 0
 
     c.sampler.begin()
@@ -136,6 +142,8 @@ def decode(
     start = 0
     while True:
         stop = _first_stop(c.stops, generated, start)
+        if stop is None and context_end is not None and len(generated) >= context_end:
+            stop = (context_end, "length")
         if stop is not None:
             del generated[stop[0] :]
             finish = stop[1]

@@ -170,15 +170,24 @@ def read_spec(path: Path) -> DrafterSpec:
             raise ModelError(f"{path}: conv_group_size must divide hidden_size {hidden}")
         backbone.conv_kernel_size = extra["conv_kernel_size"]
         backbone.conv_group_size = extra["conv_group_size"]
+    vocab = int(_require(cfg, "vocab_size", path))
+    block = int(value("block_size", 16))
+    # The first drafted slot is 1 for DFlash (slot 0 holds the last committed token).
+    if block < (1 if layout == DEEPSPEC else 2):
+        raise ModelError(f"{path}: block_size {block} leaves the drafter no slot to draft in")
+    # The mask id fills the block's empty slots and is looked up in the embedding: outside it,
+    # the lookup would read past the table (a crash, not an error, on some backends).
+    if not 0 <= int(mask_id) < vocab:
+        raise ModelError(f"{path}: mask_token_id {mask_id} is outside the vocabulary [0, {vocab})")
     return DrafterSpec(
         layout=layout,
         path=path,
         config=cfg,
         backbone=backbone,
         target_layer_ids=layer_ids,
-        block_size=int(value("block_size", 16)),
+        block_size=block,
         mask_token_id=int(mask_id),
-        vocab_size=int(_require(cfg, "vocab_size", path)),
+        vocab_size=vocab,
         num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
         extra=extra,
     )

@@ -23,6 +23,7 @@ from dspark_flow.engine.decode import DoneEvent, TextEvent
 from dspark_flow.errors import DsparkFlowError
 from dspark_flow.log import get_logger
 from dspark_flow.models.backend import release_thread_streams
+from dspark_flow.models.context import context_limit
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.result import GenResult
 from dspark_flow.server.common import ApiError, Finished
@@ -177,8 +178,7 @@ class Engine:
         components = self.pipeline.components
         assert components is not None
         self.tokenizer = components.tokenizer
-        args = getattr(components.model, "args", None)
-        self.context_length = getattr(args, "max_position_embeddings", None)
+        self.context_length = context_limit(components.model)
         if self.warmup:
             # One tiny generation compiles/allocates what the first request would otherwise pay.
             self.pipeline.generate(WARMUP_PROMPT, max_new_tokens=2)
