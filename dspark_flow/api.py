@@ -37,6 +37,15 @@ def _model_ref(value: Any, what: str) -> str | None:
     return ref
 
 
+def _check_target(target: Any, where: str) -> None:
+    """A loaded target model (load_target's first value), not its tokenizer or a name."""
+    import mlx.nn as nn
+
+    if not isinstance(target, nn.Module):
+        hint = " (load it with load_target first)" if isinstance(target, str) else ""
+        raise ConfigError(f"{where}: target is a loaded model, got {type(target).__name__}{hint}")
+
+
 def sampler_section(
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -86,7 +95,7 @@ def run_recipe(
         "prompt": {"chat": chat},
         "stop": [{"kind": "eos"}, {"kind": "max_tokens", "limit": max_new_tokens}],
     }
-    if stop:
+    if stop_strings(stop):  # checks a stop given as "" too
         recipe["stop"].append({"kind": "strings", "strings": stop_strings(stop)})
     if draft_cap is not None:
         recipe["draft_cap"] = draft_cap
@@ -188,6 +197,10 @@ def load_drafter(
     from dspark_flow.models.loading import resolve_model_path
     from dspark_flow.strategy import BuildContext
 
+    checkpoint = _model_ref(checkpoint, "load_drafter: checkpoint")  # type: ignore[assignment]
+    if checkpoint is None:
+        raise ConfigError("load_drafter: checkpoint is a drafter name or path, got None")
+    _check_target(target, "load_drafter")
     path = resolve_model_path(checkpoint, revision)
     if kind is None:
         kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
@@ -238,6 +251,13 @@ def _cap_section(cap_controller: Any, max_draft_tokens: int | None) -> tuple[dic
         return {"kind": "fixed", "k": max_draft_tokens}, None
     if isinstance(cap_controller, dict):
         return cap_controller, None
+    from dspark_flow.strategy import DraftCap
+
+    if not isinstance(cap_controller, DraftCap):
+        raise ConfigError(
+            "cap_controller is a draft cap (from calibrate()) or its recipe section (a dict), "
+            f"got {type(cap_controller).__name__}"
+        )
     return cap_controller.config.model_dump(), cap_controller
 
 
@@ -269,7 +289,8 @@ def speculative_generate(
             "checkpoint path or hub id (lookup_generate drafts without one)"
         )
     if not isinstance(drafter, Drafter):
-        drafter = load_drafter(str(drafter), target)
+        name = _model_ref(drafter, "speculative_generate: drafter (a loaded drafter, or)")
+        drafter = load_drafter(name, target)  # type: ignore[arg-type]
     draft_cap, cap = _cap_section(cap_controller, max_draft_tokens)
     objects: dict[str, Any] = {"drafter": drafter}
     if cap is not None:
@@ -299,15 +320,22 @@ def load_dflash_pair(
     drafter table (its target is loaded too), or a target (its DFlash drafter is looked up)."""
     from dspark_flow.models.drafter_loading import resolve_target
 
+    if not isinstance(repo, str) or not repo.strip():
+        raise ConfigError(f"load_dflash_pair: expected a drafter or target name, got {repo!r}")
     entry = resolve_target(repo)
     if entry is None:
         return load_pair(repo, None, revision, kind="dflash", quantize=quantize)
-    if entry["kind"] != "dflash" or not entry.get("example_target"):
+    if entry["kind"] != "dflash":
         raise ConfigError(
-            f"{repo} is a {entry['kind']} drafter with no known target; use load_pair(target, {repo!r})"
+            f"{repo} is a {entry['kind']} drafter, not a DFlash one; use load_pair(target, {repo!r})"
         )
+    # A table entry names the target it was trained for (`targets`); an example target, where
+    # given, is the checkpoint to load for it (a hub target names its family, not one file).
+    target = entry.get("example_target") or next(iter(entry.get("targets") or []), None)
+    if not target:
+        raise ConfigError(f"{repo} names no target; use load_pair(target, {repo!r})")
     return load_pair(
-        entry["example_target"],
+        target,
         repo,
         None,
         drafter_revision=revision,

@@ -53,11 +53,13 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """Stop strings as a list: one string given bare is one stop string, not its characters."""
     if stop is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
-    strings = list(stop) if isinstance(stop, Iterable) and not isinstance(stop, bytes) else None
+    # Any iterable of strings but a mapping (a dict's keys would pass unnoticed) or bytes.
+    listable = isinstance(stop, Iterable) and not isinstance(stop, bytes | Mapping)
+    strings = [stop] if isinstance(stop, str) else list(stop) if listable else None
     if strings is None or not all(isinstance(s, str) for s in strings):
         raise ConfigError(f"stop: expected a string or a list of strings, got {stop!r}")
+    if any(not s for s in strings):  # "" would match everywhere; it used to be dropped silently
+        raise ConfigError("stop strings must not be empty")
     return strings
 
 
@@ -89,8 +91,14 @@ def _check_prompt(prompt: Any) -> list[int] | None:
                 f'prompt[{i}]: expected a chat message {{"role": ..., "content": ...}}, '
                 f"got {type(m).__name__}"
             )
-        if isinstance(m["content"], str):
-            check_text(m["content"], f"prompt[{i}].content")
+        content = m["content"]
+        if isinstance(content, str):
+            check_text(content, f"prompt[{i}].content")
+        elif not isinstance(content, list):  # a template may take a list of parts, not None
+            raise PromptError(
+                f"prompt[{i}].content: expected text (or a list of parts), got "
+                f"{type(content).__name__}"
+            )
     return None
 
 
@@ -108,6 +116,18 @@ class Pipeline:
     def __init__(self, recipe: Recipe, target: tuple[Any, Any] | None = None, **strategies: Any):
         """`target` is an already loaded (model, tokenizer); `strategies` may pass ready
         strategy objects by slot name (e.g. `drafter=...`) instead of building from the recipe."""
+        unknown = sorted(set(strategies) - {"drafter", "verifier", "sampler", "draft_cap", "cache"})
+        if unknown:  # a misspelt slot would otherwise drop the caller's strategy silently
+            raise ConfigError(
+                f"Pipeline: unknown strategy slot {', '.join(unknown)} (slots: drafter, "
+                "verifier, sampler, draft_cap, cache)"
+            )
+        for slot, given in strategies.items():
+            if given is not None and not isinstance(given, Strategy):
+                raise ConfigError(
+                    f"Pipeline: {slot} is a strategy object, got {type(given).__name__} "
+                    "(a recipe section goes in the recipe)"
+                )
         self.recipe = recipe
         self._target = target
         self.drafter = strategies.get("drafter") or build_strategy("drafter", recipe.drafter)
@@ -145,8 +165,14 @@ class Pipeline:
 
             spec = self.recipe.target
             self._target = load(spec.model, spec.weights, spec.revision)
-        model, tokenizer = self._target
-        if not isinstance(model, nn.Module) or tokenizer is None:
+        pair = self._target
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise ConfigError(
+                "target: expected (model, tokenizer) as load_target returns, got "
+                f"{type(pair).__name__}"
+            )
+        model, tokenizer = pair
+        if not isinstance(model, nn.Module) or not callable(getattr(tokenizer, "encode", None)):
             got = type(model).__name__ if not isinstance(model, nn.Module) else "no tokenizer"
             raise ConfigError(
                 f"target: expected a loaded model and its tokenizer (load_target, load_pair), got {got}"
@@ -184,6 +210,8 @@ class Pipeline:
         tok = self.tokenizer
         if (ids := _check_prompt(prompt)) is not None:
             return self._checked_ids(ids)  # already token ids
+        if chat is not None and not isinstance(chat, bool):  # "no" is truthy: refuse, not guess
+            raise ConfigError(f"chat is True, False or None, got {chat!r}")
         use_chat = self.recipe.prompt.chat if chat is None else chat
         if isinstance(prompt, str):
             if not (use_chat and getattr(tok, "has_chat_template", False)):
@@ -229,12 +257,12 @@ class Pipeline:
         if sampler is not None:
             changes["sampler"] = build_strategy("sampler", sampler)
             changes["sampler"].warm_up(ctx)
-        if max_new_tokens is not None or stop:
+        if max_new_tokens is not None or stop is not None:
             stops = [s for s in base.stops if max_new_tokens is None or s.token_budget is None]
             extra: list[dict[str, Any]] = []
             if max_new_tokens is not None:
                 extra.append({"kind": "max_tokens", "limit": max_new_tokens})
-            if stop:
+            if stop_strings(stop):  # checked even when empty ([]: no strings)
                 extra.append({"kind": "strings", "strings": stop_strings(stop)})
             for config in extra:
                 rule = build_strategy("stop", config)
@@ -285,6 +313,8 @@ class Pipeline:
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> GenResult:
+        if on_text is not None and not callable(on_text):  # found only at the first text
+            raise ConfigError(f"on_text is a function taking text, got {type(on_text).__name__}")
         result: GenResult | None = None
         for event in self.events(
             prompt,

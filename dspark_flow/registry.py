@@ -10,10 +10,10 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
+from dspark_flow.env import env_flag
 from dspark_flow.errors import RegistryError
 from dspark_flow.strategy import SLOTS, Strategy
 
@@ -39,7 +39,7 @@ def _normalise(name: str) -> str:
 
 
 def plugins_disabled() -> bool:
-    return os.environ.get("DSPARK_FLOW_DISABLE_PLUGINS", "") not in ("", "0", "false", "no")
+    return env_flag("DSPARK_FLOW_DISABLE_PLUGINS")
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,7 +144,9 @@ def load_kind(slot: str, kind: str) -> type[Strategy]:
         obj = importlib.import_module(module_name)
         for part in attr.split(".") if attr else []:
             obj = getattr(obj, part)
-    except Exception as exc:  # a broken plugin must not take the whole tool down with a traceback
+    # A broken plugin must not take the whole tool down with a traceback, nor end it
+    # silently by calling sys.exit() at import (SystemExit is no Exception).
+    except (Exception, SystemExit) as exc:
         raise RegistryError(
             f"{slot} '{kind}' from {info.source} failed to import ({info.target}): "
             f"{type(exc).__name__}: {exc}"

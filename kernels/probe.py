@@ -110,18 +110,30 @@ class Verdict:
         return data
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# What probes write into `extra`: a span is a row count, a share a fraction, bitwise a flag.
+_EXTRA_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "span": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "share": lambda v: _is_number(v) and 0.0 <= v <= 1.0,
+    "bitwise": lambda v: isinstance(v, bool),
+}
+
+
 def _well_typed(v: Verdict) -> bool:
     """A cached verdict is trusted only with the types a probe writes: "false" (a string) would
-    read as true, and a corrupt "enabled" must not switch a kernel on."""
+    read as true, a corrupt "enabled" must not switch a kernel on, and a span of "abc" must not
+    fail every later run."""
     timings = (v.kernel_ms, v.twin_ms, v.max_rel_err)
     return (
         isinstance(v.enabled, bool)
         and isinstance(v.correct, bool)
         and isinstance(v.reason, str)
         and isinstance(v.extra, dict)
-        and all(
-            t is None or (isinstance(t, (int, float)) and not isinstance(t, bool)) for t in timings
-        )
+        and all(t is None or _is_number(t) for t in timings)
+        and all(check(v.extra[name]) for name, check in _EXTRA_CHECKS.items() if name in v.extra)
     )
 
 

@@ -231,9 +231,52 @@ def test_the_api_refuses_bad_prompts_and_arguments(embedded):
     plain = greedy_generate(model, tok, "Say hello", max_new_tokens=8)
     bare = greedy_generate(model, tok, "Say hello", max_new_tokens=8, stop="zzHello")
     assert bare.token_ids == plain.token_ids
+    # An empty stop string is refused however given (stop="" used to be dropped silently),
+    # and a dict is no list of strings.
+    for stop in ("", [""], ("a", "")):
+        with pytest.raises(ConfigError, match="stop strings must not be empty"):
+            greedy_generate(model, tok, "hi", max_new_tokens=2, stop=stop)
+    with pytest.raises(ConfigError, match="expected a string or a list of strings"):
+        greedy_generate(model, tok, "hi", max_new_tokens=2, stop={"a": 1})
     # And one override given bare is one override.
     pipeline = Pipeline.from_yaml(QUICKSTART, overrides="drafter.kind=lookup")
     assert pipeline.recipe.drafter.kind == "lookup"
+
+
+def test_the_api_names_objects_of_the_wrong_kind(embedded):
+    """What an audit of the Python API found ending in an AttributeError, a TypeError from
+    inside a template, a misleading hub error or nothing at all (2026-12-03)."""
+    from dspark_flow import Pipeline, calibrate, greedy_generate, load_drafter, speculative_generate
+
+    model, tok = embedded
+    cases = [
+        (lambda: speculative_generate(model, tok, tok, "hi"), "drafter .*TokenizerWrapper"),
+        (lambda: speculative_generate(model, tok, 5, "hi"), "drafter .*got int"),
+        (lambda: load_drafter(None, model), "checkpoint is a drafter name or path"),
+        (lambda: load_drafter("builtin:smollm2-135m-dspark", tok), "target is a loaded model"),
+        (lambda: load_drafter("builtin:smollm2-135m-dspark", None), "target is a loaded model"),
+        (lambda: greedy_generate(model, tok, [{"role": "user", "content": None}]), r"prompt\[0\].content: expected text"),
+        (lambda: greedy_generate(model, tok, [{"role": "user", "content": 5}]), r"got int"),
+        (lambda: greedy_generate(model, tok, "hi", on_text=5), "on_text is a function"),
+        (lambda: Pipeline.from_dict({}, target=(model, tok)).generate("hi", chat="no"), "chat is True, False or None"),
+        (lambda: Pipeline.from_dict({}, target=tok).warm_up(), r"expected \(model, tokenizer\)"),
+        (lambda: Pipeline.from_dict({}, target=(model, model)).warm_up(), "no tokenizer"),
+        (lambda: Pipeline.from_dict({}, target=(model, tok), draftcap=1), "unknown strategy slot draftcap"),
+        (lambda: Pipeline.from_dict({}, target=(model, tok), sampler="x"), "sampler is a strategy object"),
+        (lambda: calibrate((model, tok), acceptance=2), "calibrate: acceptance: Input should be less than 1"),
+        (lambda: calibrate((model, tok), depths=[-1]), "calibrate: depths.0"),
+        (lambda: calibrate((model, tok), depths=5), "calibrate: depths"),
+        (lambda: calibrate(None), "calibrate: target is a loaded model"),
+        (lambda: calibrate((model, tok), mode=None), "calibrate: mode"),
+    ]  # fmt: skip
+    for call, words in cases:
+        with pytest.raises((ConfigError, PromptError), match=words) as info:
+            call()
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="cap_controller is a draft cap"):
+        speculative_generate(
+            model, tok, "builtin:smollm2-135m-dspark", "hi", cap_controller="fixed"
+        )
 
 
 def test_a_verdict_with_wrong_types_is_probed_again(tmp_path):

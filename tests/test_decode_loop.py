@@ -36,9 +36,11 @@ def test_greedy_answers_paris(greedy_refs):
     # Plain decoding: one token per round; an end-of-sequence token costs a round but is cut.
     assert r.num_rounds in (r.num_tokens - 1, r.num_tokens) and r.mean_accept_len == 1.0
     # Two prefill forwards (the prompt but its last token, then that token) + one per round,
-    # + the one launched ahead on the stop token before it was read (plain rounds overlap).
+    # + where plain rounds overlap, the one launched ahead on the stop token before it was read.
+    from dspark_flow.engine.decode import overlaps_plain_rounds
+
     assert r.finish_reason == "stop"
-    assert r.target_forwards == r.num_rounds + 3
+    assert r.target_forwards == r.num_rounds + 2 + overlaps_plain_rounds()
 
 
 def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
@@ -287,3 +289,33 @@ def test_a_recipe_without_a_token_budget_stops_where_the_context_ends(embedded):
     res = pipe.generate(prompt)
     assert res.finish_reason == "length"
     assert res.num_tokens == 48 - len(pipe.encode_prompt(prompt))
+
+
+@pytest.mark.parametrize(
+    ("proposal", "words"), [(10**9, "outside the vocabulary"), (None, "not a Draft")]
+)
+def test_a_drafter_proposing_what_no_forward_can_take_is_named(embedded, proposal, words):
+    """A plugin drafter's ids past the embedding would crash the verify forward (a segfault on
+    the CPU); its proposal is checked and the drafter named in one line."""
+    from typing import Literal
+
+    from dspark_flow.strategy import Draft, Drafter, StrategyConfig
+
+    class WildConfig(StrategyConfig):
+        kind: Literal["wild"] = "wild"
+
+    class WildDrafter(Drafter):
+        Config = WildConfig
+
+        @property
+        def max_draft(self) -> int:
+            return 2
+
+        def propose(self, history: list[int], k: int) -> Draft:
+            return None if proposal is None else Draft(tokens=[proposal] * k)  # type: ignore[return-value]
+
+    recipe = {"draft_cap": {"kind": "fixed", "k": 2}, "stop": [{"kind": "max_tokens", "limit": 8}]}
+    pipe = Pipeline.from_dict(recipe, target=embedded, drafter=WildDrafter())
+    with pytest.raises(ConfigError, match=f"drafter WildDrafter.*{words}") as info:
+        pipe.generate("Hi there")
+    assert "\n" not in str(info.value)

@@ -145,8 +145,10 @@ def test_the_key_ignores_what_changes_between_runs_of_one_device(tiny, monkeypat
         "{not json",
         json.dumps({"version": VERSION - 1 if VERSION > 1 else 999, "key": {}, "curves": {}}),
         "PLACEHOLDER_WRONG_SHAPE",
+        "PLACEHOLDER_ZERO",
+        "PLACEHOLDER_INF",
     ],
-    ids=["corrupt", "wrong-version", "malformed-curves"],
+    ids=["corrupt", "wrong-version", "malformed-curves", "zero-cost", "infinite-cost"],
 )
 def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, content):
     store = CurveStore(tmp_path)
@@ -154,6 +156,10 @@ def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, c
     if content == "PLACEHOLDER_WRONG_SHAPE":
         data = json.loads(path.read_text())
         data["curves"]["verify"] = [[1.0, 2.0]]  # one row for two depths
+        content = json.dumps(data)
+    elif content.startswith("PLACEHOLDER_"):  # a cost no measurement gives
+        data = json.loads(path.read_text())
+        data["curves"]["verify"][0][0] = 0.0 if content.endswith("ZERO") else float("inf")
         content = json.dumps(data)
     path.write_text(content)
     curves, path2, measured = obtain_curves(tiny, lookup(), store=store, **FAST)

@@ -1022,3 +1022,15 @@ def test_calibration_times_the_drafters_context_growth(tmp_path, tiny4):
         drafter, history, 3, GreedySampler(), model=tiny4, repeats=2, warmup=1, grow_context=False
     )
     assert grown == [len(history) - 1]
+
+
+def test_load_dflash_pair_loads_the_shipped_dflash_drafter_with_its_target(embedded):
+    target, tok, drafter, cfg = api.load_dflash_pair("builtin:smollm2-135m-dflash")
+    assert cfg.kind == "dflash" and drafter.max_draft == 7
+    prompt = "Name three primary colours."
+    want = api.greedy_generate(target, tok, prompt, max_new_tokens=16).token_ids
+    assert api.dflash_generate(target, tok, drafter, prompt, max_new_tokens=16).token_ids == want
+    with pytest.raises(ConfigError, match="is a dspark drafter, not a DFlash one"):
+        api.load_dflash_pair("builtin:smollm2-135m-dspark")
+    with pytest.raises(ConfigError, match="expected a drafter or target name"):
+        api.load_dflash_pair(None)

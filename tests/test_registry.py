@@ -95,11 +95,35 @@ def test_disable_plugins_hides_third_party(fake_plugin, monkeypatch):
     assert "lookup" in registry.kind_names("drafter")
 
 
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("Yes", True), (" on ", True),
+                                           ("0", False), ("off", False), ("False", False), ("", False)])  # fmt: skip
+def test_every_switch_reads_yes_and_no_alike(fake_plugin, monkeypatch, value, on):
+    # DSPARK_FLOW_DISABLE_PLUGINS=off used to disable plugins, and DSPARK_FLOW_DEBUG=0 to
+    # turn tracebacks on: every yes/no variable now reads through env_flag.
+    from dspark_flow.env import env_flag
+
+    fake_plugin("acme-spec", "0.1.0", {"drafter.acme_tree": "acme_spec:TreeDrafter"}, ACME)
+    monkeypatch.setenv("DSPARK_FLOW_DISABLE_PLUGINS", value)
+    registry.refresh()
+    assert ("acme_tree" not in registry.kind_names("drafter")) == on
+    monkeypatch.setenv("DSPARK_FLOW_DEBUG", value)
+    assert env_flag("DSPARK_FLOW_DEBUG") == on
+
+
 def test_broken_plugin_fails_with_one_line(fake_plugin):
     fake_plugin("acme-spec", "0.1.0", {"drafter.broken": "acme_spec:Missing"}, ACME)
     with pytest.raises(RegistryError) as err:
         registry.load_kind("drafter", "broken")
     assert "failed to import" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_plugin_that_exits_at_import_fails_with_one_line(fake_plugin):
+    # sys.exit() raises SystemExit, no Exception: it used to end the command without a word.
+    source = "import sys\nsys.exit('needs torch')\n"
+    fake_plugin("acme-exit", "0.1.0", {"drafter.exits": "acme_exit:Drafter"}, source)
+    with pytest.raises(RegistryError) as err:
+        registry.load_kind("drafter", "exits")
+    assert "acme-exit 0.1.0 failed to import" in str(err.value) and "needs torch" in str(err.value)
 
 
 def test_entry_point_that_is_not_a_strategy(fake_plugin):

@@ -5,6 +5,7 @@ httpx for the bad requests a client library would refuse to send)."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -126,6 +127,27 @@ def test_cli_reports_a_taken_port_in_one_line():
         run.stderr.startswith("error: cannot listen on 127.0.0.1:")
         and "Traceback" not in run.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        (["--api-key", ""], {}, "API key"),
+        ([], {"DSPARK_FLOW_API_KEY": " "}, "API key"),
+        (["--host", ""], {}, "--host is empty"),
+    ],
+)
+def test_cli_refuses_an_empty_api_key_or_host(args, env, words):
+    # `--api-key "$KEY"` with KEY unset must not serve without a key.
+    run = subprocess.run(
+        [sys.executable, "-m", "dspark_flow", "serve", str(RECIPE), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
 
 
 def test_cli_reports_a_model_that_fails_to_load_once(tmp_path):

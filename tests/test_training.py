@@ -278,6 +278,18 @@ def test_a_data_stage_that_fails_before_writing_leaves_no_empty_cache(embedded, 
     assert not data_cache_dir(tight).exists()
 
 
+def test_a_mask_id_outside_the_vocabulary_fails_before_the_data_stage(embedded, tmp_path):
+    from dspark_flow.training.data import data_cache_dir
+    from dspark_flow.training.run import run_training
+
+    spec = run_spec(tmp_path, "bad-mask", steps=1, new_tokens=8)
+    spec["drafter"] = {**spec["drafter"], "mask_token_id": 999_999}
+    recipe = TrainRecipe.model_validate(spec)
+    with pytest.raises(ConfigError, match="mask_token_id 999999 is outside the vocabulary"):
+        run_training(recipe, stages=("data", "train"), progress=False)
+    assert not data_cache_dir(recipe).exists()  # it used to surface after the data was made
+
+
 def test_a_changed_recipe_refuses_to_resume(embedded, samples, tmp_path):
     model, tok = embedded
     DrafterTrainer(small_recipe("dflash", steps=2), progress=False, checkpoints=tmp_path).warm_up(

@@ -111,13 +111,35 @@ def calibrate(
     `target_repo`/`drafter_repo` also key the cache (with a hash of config.json and weight file
     sizes). The result is a DraftCap: pass it as `Pipeline(..., draft_cap=cap)`.
     """
+    import mlx.nn as nn
+    from pydantic import ValidationError
+
+    from dspark_flow.errors import ConfigError, validation_message
     from dspark_flow.strategies.draft_caps.auto import AutoCap, AutoCapConfig
     from dspark_flow.strategies.samplers.greedy import GreedySampler
 
-    if isinstance(target, tuple):
+    try:  # every setting checked before anything is loaded or measured
+        config = AutoCapConfig(
+            acceptance=acceptance,
+            max_k=max_k,
+            depths=depths,
+            repeats=repeats,
+            warmup=warmup,
+            cache_dir=cache_dir,
+        )
+    except ValidationError as e:
+        raise ConfigError(validation_message(e, "calibrate")) from None
+    if not isinstance(mode, str):
+        raise ConfigError(f"calibrate: mode is a drafter kind's name, got {mode!r}")
+    if isinstance(target, tuple | list) and len(target) == 2:
         model, tokenizer = target[0], tokenizer if tokenizer is not None else target[1]
     else:
         model = target
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "calibrate: target is a loaded model or a (model, tokenizer) pair (load_target), "
+            f"got {type(model).__name__}"
+        )
     sampler = GreedySampler()
     ready = _drafter_for(
         mode,
@@ -130,14 +152,6 @@ def calibrate(
         tokenizer,
         sampler,
     )
-    config = AutoCapConfig(
-        acceptance=acceptance,
-        max_k=max_k,
-        depths=list(depths),
-        repeats=repeats,
-        warmup=warmup,
-        cache_dir=cache_dir,
-    )
     curves, path, _ = obtain_curves(
         model,
         ready,
@@ -145,10 +159,10 @@ def calibrate(
         tokenizer=tokenizer,
         target_ref=target_repo,
         target_revision=target_revision,
-        block=drafter_block(ready, max_k),
-        depths=depths,
-        repeats=repeats,
-        warmup=warmup,
+        block=drafter_block(ready, config.max_k),
+        depths=config.depths,
+        repeats=config.repeats,
+        warmup=config.warmup,
         force=force,
         store=CurveStore(cache_dir) if cache_dir else None,
     )

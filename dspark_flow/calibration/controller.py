@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves
 from dspark_flow.calibration.estimators import (
@@ -180,7 +180,7 @@ class CurveCapConfig(StrategyConfig):
     max_k: int | None = Field(
         None, ge=1, description="most tokens per round (default: the drafter's block, else 16)"
     )
-    depths: list[int] = Field(
+    depths: list[PositiveInt] = Field(
         default_factory=lambda: list(DEFAULT_DEPTHS),
         min_length=1,
         description="context depths at which the verify cost is measured",

@@ -9,6 +9,7 @@ K values are visited in interleaved passes so a burst of machine noise hits all 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +50,12 @@ class Curves:
             raise ValueError("verify rows must share one length >= 1; drafter must be non-empty")
         if any(t < 0 for r in self.verify for t in r) or any(t < 0 for t in self.drafter):
             raise ValueError("costs must be non-negative")
+        # A forward never takes no time, and nan or inf would make every plan nan or inf (a
+        # damaged cache file that silently turned speculation off, as an audit found).
+        if not all(math.isfinite(t) and t > 0 for r in self.verify for t in r):
+            raise ValueError("verify costs must be finite and positive")
+        if not all(math.isfinite(t) for t in self.drafter):
+            raise ValueError("drafter costs must be finite")
         # Decisions use a non-decreasing fit of each row: verifying more rows never costs less,
         # so a dip is measurement noise, and chasing it would pick k by luck.
         self._smooth = [monotone_fit(row) for row in self.verify]

@@ -7,12 +7,12 @@ mode's output differed from greedy decoding at T=0 (a losslessness failure, repo
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
 
 from dspark_flow.cli.args import add_overrides
+from dspark_flow.env import env_flag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace, out: Path) -> int:
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
             # A hand-edited or truncated file: its fields are not what a bench run writes (or a
             # rendering bug: DSPARK_FLOW_DEBUG=1 shows the traceback).
-            if os.environ.get("DSPARK_FLOW_DEBUG"):
+            if env_flag("DSPARK_FLOW_DEBUG"):
                 raise
             raise DsparkFlowError(
                 f"{args.from_json} is not a bench.json this version can render "

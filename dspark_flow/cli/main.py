@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from dspark_flow.env import env_flag
 from dspark_flow.errors import DsparkFlowError
 
 
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _internal_error(exc: Exception) -> int:
     """An internal bug: still one line unless asked for more."""
-    if os.environ.get("DSPARK_FLOW_DEBUG"):
+    if env_flag("DSPARK_FLOW_DEBUG"):
         traceback.print_exc()
     print(
         f"internal error: {type(exc).__name__}: {exc} (set DSPARK_FLOW_DEBUG=1 for a traceback)",

@@ -86,6 +86,14 @@ def run(args: argparse.Namespace) -> int:
         raise DsparkFlowError(f"--port must be between 0 and 65535, got {args.port}")
     if args.max_body_bytes < 1:
         raise DsparkFlowError("--max-body-bytes must be at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        # `--api-key "$KEY"` with KEY unset would otherwise serve without any key at all.
+        raise DsparkFlowError(
+            f"the API key (--api-key or ${API_KEY_ENV}) is empty; give a key, or leave both "
+            "unset to serve without one"
+        )
+    if not args.host.strip():
+        raise DsparkFlowError("--host is empty (0.0.0.0 serves every interface, if meant)")
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving beyond loopback without --api-key", host=args.host)
 

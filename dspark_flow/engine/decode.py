@@ -5,11 +5,11 @@ forward over [last committed token] + draft, the loop's one host sync (inside th
 verify; a drafter that must see its own tokens syncs in `propose` too), trims the rejected tail
 from the cache and checks the stop rules on what was committed.
 
-A plain round (k = 0) whose next round is known to be plain too overlaps the two: it launches
-the next round's forward on its own token while that token is still lazy, and only then reads
-it, so the host builds one graph while the device runs the other (mlx-lm's `generate_step`
-does the same). The forwards are the ones the loop would run anyway, in the same order, so the
-output is unchanged.
+A plain round (k = 0) whose next round is known to be plain too may overlap the two (by
+default on Metal only, `overlaps_plain_rounds`): it launches the next round's forward on its
+own token while that token is still lazy, and only then reads it, so the host builds one graph
+while the device runs the other (mlx-lm's `generate_step` does the same). The forwards are the
+ones the loop would run anyway, in the same order, so the output is unchanged.
 """
 
 from __future__ import annotations
@@ -38,8 +38,22 @@ from dspark_flow.strategy import (
 )
 
 PREFILL_CHUNK = 512  # bounds activation memory on long prompts
-# Overlap consecutive plain rounds (see the module docstring); benchmarks turn it off to compare.
-OVERLAP_PLAIN_ROUNDS = True
+# Overlap consecutive plain rounds (see the module docstring): True, False, or None for the
+# backend's default (`overlaps_plain_rounds`). Benchmarks set it to compare.
+OVERLAP_PLAIN_ROUNDS: bool | None = None
+
+
+def overlaps_plain_rounds() -> bool:
+    """Whether plain rounds overlap on this backend by default. Only on Metal, where mlx-lm's
+    own greedy loop overlaps this way (not run here: no Apple machine). On CUDA MLX's
+    `async_eval` does much of the device work before it returns, and there the overlap made
+    greedy 6% slower (H200, 2026-12-03, docs/benchmarks.md §2); on the CPU there is no device
+    to overlap with."""
+    if OVERLAP_PLAIN_ROUNDS is not None:
+        return OVERLAP_PLAIN_ROUNDS
+    from dspark_flow.models.backend import backend_name
+
+    return backend_name() == "metal"
 
 
 @dataclass
@@ -94,6 +108,21 @@ def _prefill(c: Components, prompt_ids: list[int]) -> tuple[list[Any], mx.array,
     return cache, logits, forwards + 1
 
 
+def _check_draft(drafter: Drafter, draft: Any, vocab: int | None) -> None:
+    """A drafter (a plugin's, say) that proposes ids outside the target's embedding would crash
+    the verify forward's lookup (a segfault on the CPU): name it instead. Lazy drafts come from
+    the built-in block drafters, whose ids are the draft head's own rows."""
+    name = type(drafter).__name__
+    if not isinstance(draft, Draft):
+        raise ConfigError(f"drafter {name}: propose() returned {type(draft).__name__}, not a Draft")
+    if vocab is not None:
+        bad = next((t for t in draft.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConfigError(
+                f"drafter {name} proposed token id {bad}, outside the vocabulary [0, {vocab})"
+            )
+
+
 def _first_stop(stops: list[StopRule], generated: list[int], start: int) -> tuple[int, str] | None:
     found: tuple[int, str] | None = None
     for rule in stops:
@@ -135,7 +164,8 @@ def decode(
     t_first = time.perf_counter()
 
     accept_lengths: list[int] = []
-    overlap = OVERLAP_PLAIN_ROUNDS
+    overlap = overlaps_plain_rounds()
+    vocab = getattr(getattr(c.model, "args", None), "vocab_size", None)
     ahead: mx.array | None = None  # logits of a plain round launched on the last token
     finish = "length"
     stopped_by_text = False
@@ -174,6 +204,8 @@ def decode(
         if ahead is not None:  # this round's forward is in flight already: it drafts nothing
             k = 0
         draft = c.drafter.propose(history, k) if k > 0 else Draft()
+        if not isinstance(draft, Draft) or (draft.pending is None and draft.tokens):
+            _check_draft(c.drafter, draft, vocab)
         if draft.pending is not None:  # the drafter computes while the verify graph is built
             mx.async_eval(draft.pending)
         features_taken = ahead is not None  # after_forward ran when that forward was built

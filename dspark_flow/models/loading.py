@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dspark_flow.env import env_flag
 from dspark_flow.errors import ModelError
 from dspark_flow.models.backend import (
     apply_weight_format,
@@ -59,7 +60,6 @@ NUMERIC_CONFIG_KEYS = (
     "rope_theta",
 )
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def _brief(e: BaseException, limit: int = 300) -> str:
@@ -104,7 +104,7 @@ def _offline_variable() -> str | None:
     """The variable that keeps the hub offline, if one is set. huggingface_hub reads
     HF_HUB_OFFLINE once at import; this re-reads it so late settings count."""
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(name, "").strip().lower() in _TRUE:
+        if env_flag(name):
             return name
     return None
 

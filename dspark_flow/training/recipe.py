@@ -387,4 +387,10 @@ def check_against_target(recipe: TrainRecipe, target: Any) -> dict[str, Any]:
     kv = arch.num_kv_heads or dims["num_kv_heads"]
     if heads % kv:
         raise ConfigError(f"drafter num_heads {heads} is not a multiple of num_kv_heads {kv}")
+    mask = arch.mask_token_id  # None: the tokenizer's unknown token, checked when it is read
+    if mask is not None and not 0 <= mask < dims["vocab_size"]:
+        raise ConfigError(
+            f"drafter.mask_token_id {mask} is outside the vocabulary [0, {dims['vocab_size']}) "
+            f"of {recipe.target.model}"
+        )
     return dims
