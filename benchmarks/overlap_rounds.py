@@ -28,13 +28,6 @@ from typing import Any
 
 import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
 
-CLI_VERIFIER = {
-    "kind": "kernels",
-    "invariant": True,
-    "compile_layers": True,
-    "fuse_projections": True,
-    "prefer_stock": True,
-}
 BASE = "greedy, read first"
 
 
@@ -77,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_flow.engine import decode
     from dspark_flow.models.loading import resolve_model_path
     from dspark_flow.pipeline import Pipeline
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
     model, tok = load_target("builtin:smollm2-135m")
     stops = [{"kind": "eos"}, {"kind": "max_tokens", "limit": args.max_tokens}]
@@ -88,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def build(section: dict[str, Any]) -> Any:
-        recipe: dict[str, Any] = {"drafter": section, "verifier": CLI_VERIFIER, "stop": stops}
+        verifier = TOOL_DEFAULTS["verifier"]  # the CLI's stack
+        recipe: dict[str, Any] = {"drafter": section, "verifier": verifier, "stop": stops}
         if section["kind"] != "none":
             recipe["draft_cap"] = {"kind": "auto"}
         return Pipeline.from_dict(recipe, target=(model, tok)).warm_up()
