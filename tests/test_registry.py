@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -124,6 +125,14 @@ def test_plugin_that_exits_at_import_fails_with_one_line(fake_plugin):
     with pytest.raises(RegistryError) as err:
         registry.load_kind("drafter", "exits")
     assert "acme-exit 0.1.0 failed to import" in str(err.value) and "needs torch" in str(err.value)
+
+
+def test_the_schema_leaves_out_a_broken_plugin_kind_not_every_kind(fake_plugin):
+    from dspark_flow.recipe.jsonschema import recipe_json_schema
+
+    fake_plugin("acme-spec", "0.1.0", {"drafter.broken": "acme_spec:Missing"}, ACME)
+    text = json.dumps(recipe_json_schema())
+    assert '"lookup"' in text and '"broken"' not in text  # the built-ins are all there
 
 
 def test_entry_point_that_is_not_a_strategy(fake_plugin):

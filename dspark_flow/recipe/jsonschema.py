@@ -7,14 +7,23 @@ from typing import Annotated, Any, Union
 from pydantic import Field, create_model
 
 from dspark_flow import registry
+from dspark_flow.errors import RegistryError
+from dspark_flow.log import get_logger
 from dspark_flow.recipe.schema import PromptSpec, TargetSpec
 
 
 def _slot_union(slot: str) -> Any:
-    configs = tuple(registry.load_kind(slot, name).Config for name in registry.kind_names(slot))
+    configs = []
+    for name in registry.kind_names(slot):
+        try:
+            configs.append(registry.load_kind(slot, name).Config)
+        except RegistryError as e:  # one broken plugin must not cost the schema of every kind
+            get_logger().warning("kind left out of the schema", slot=slot, kind=name, error=str(e))
+    if not configs:
+        raise RegistryError(f"no {slot} kind could be imported for the schema")
     if len(configs) == 1:
         return configs[0]
-    return Annotated[Union[configs], Field(discriminator="kind")]  # noqa: UP007
+    return Annotated[Union[tuple(configs)], Field(discriminator="kind")]  # noqa: UP007
 
 
 def recipe_json_schema() -> dict[str, Any]:
