@@ -95,8 +95,8 @@ def run_recipe(
         "prompt": {"chat": chat},
         "stop": [{"kind": "eos"}, {"kind": "max_tokens", "limit": max_new_tokens}],
     }
-    if stop_strings(stop):  # checks a stop given as "" too
-        recipe["stop"].append({"kind": "strings", "strings": stop_strings(stop)})
+    if strings := stop_strings(stop):  # checks a stop given as "" too
+        recipe["stop"].append({"kind": "strings", "strings": strings})
     if draft_cap is not None:
         recipe["draft_cap"] = draft_cap
     if verifier is not None:

@@ -21,10 +21,11 @@ from dspark_flow import registry
 from dspark_flow.engine.decode import Components, DoneEvent, Event, TextEvent, decode
 from dspark_flow.errors import ConfigError, PromptError, validation_message
 from dspark_flow.log import get_logger
+from dspark_flow.models.context import config_vocab_size
 from dspark_flow.recipe.load import load_recipe, validate
 from dspark_flow.recipe.schema import Recipe
 from dspark_flow.result import GenResult
-from dspark_flow.strategy import BuildContext, StopRule, Strategy, StrategyConfig
+from dspark_flow.strategy import SLOTS, BuildContext, StopRule, Strategy, StrategyConfig
 
 log = get_logger()
 
@@ -116,11 +117,11 @@ class Pipeline:
     def __init__(self, recipe: Recipe, target: tuple[Any, Any] | None = None, **strategies: Any):
         """`target` is an already loaded (model, tokenizer); `strategies` may pass ready
         strategy objects by slot name (e.g. `drafter=...`) instead of building from the recipe."""
-        unknown = sorted(set(strategies) - {"drafter", "verifier", "sampler", "draft_cap", "cache"})
+        slots = [slot for slot in SLOTS if slot != "stop"]  # stop rules come from the recipe
+        unknown = sorted(set(strategies) - set(slots))
         if unknown:  # a misspelt slot would otherwise drop the caller's strategy silently
             raise ConfigError(
-                f"Pipeline: unknown strategy slot {', '.join(unknown)} (slots: drafter, "
-                "verifier, sampler, draft_cap, cache)"
+                f"Pipeline: unknown strategy slot {', '.join(unknown)} (slots: {', '.join(slots)})"
             )
         for slot, given in strategies.items():
             if given is not None and not isinstance(given, Strategy):
@@ -230,8 +231,8 @@ class Pipeline:
         `vocab_size` leaves out added tokens such as Qwen's <|im_end|>; the full vocabulary
         is the fallback.)"""
         model = self.warm_up().components.model  # type: ignore[union-attr]
-        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-        return int(vocab) if vocab is not None else len(self.tokenizer.get_vocab())
+        vocab = config_vocab_size(model)
+        return vocab if vocab is not None else len(self.tokenizer.get_vocab())
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         """Ids outside the embedding crash MLX's gather on some backends (a segfault on the
@@ -262,8 +263,8 @@ class Pipeline:
             extra: list[dict[str, Any]] = []
             if max_new_tokens is not None:
                 extra.append({"kind": "max_tokens", "limit": max_new_tokens})
-            if stop_strings(stop):  # checked even when empty ([]: no strings)
-                extra.append({"kind": "strings", "strings": stop_strings(stop)})
+            if strings := stop_strings(stop):  # checked even when empty ([]: no strings)
+                extra.append({"kind": "strings", "strings": strings})
             for config in extra:
                 rule = build_strategy("stop", config)
                 rule.warm_up(ctx)

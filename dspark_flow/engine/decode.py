@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from dspark_flow.engine.textstream import TextStream
 from dspark_flow.errors import ConfigError, PromptError
-from dspark_flow.models.context import context_limit
+from dspark_flow.models.context import config_vocab_size, context_limit
 from dspark_flow.result import GenResult
 from dspark_flow.strategy import (
     DRAFTER_SOURCE,
@@ -165,7 +165,7 @@ def decode(
 
     accept_lengths: list[int] = []
     overlap = overlaps_plain_rounds()
-    vocab = getattr(getattr(c.model, "args", None), "vocab_size", None)
+    vocab = config_vocab_size(c.model)
     ahead: mx.array | None = None  # logits of a plain round launched on the last token
     finish = "length"
     stopped_by_text = False

@@ -1,4 +1,4 @@
-"""How long a context a loaded model was trained for, as its config says."""
+"""What a loaded model's config says about it: its trained context, its vocabulary."""
 
 from __future__ import annotations
 
@@ -15,3 +15,9 @@ def context_limit(model: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def config_vocab_size(model: Any) -> int | None:
+    """Rows of the model's embedding as its config gives them (mlx-lm's `args`), else None."""
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(vocab) if vocab is not None else None

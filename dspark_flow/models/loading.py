@@ -161,9 +161,8 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
     return _snapshot(ref, revision)
 
 
-def _check_numeric_sizes(path: Path) -> None:
-    """A ModelError naming the first size in config.json that is not a number."""
-    config = _model_config(path)
+def _check_numeric_sizes(config: dict[str, Any], path: Path) -> None:
+    """A ModelError naming the first size in `path`'s config.json that is not a number."""
     for key in NUMERIC_CONFIG_KEYS:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
@@ -178,9 +177,10 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
 
     keep_compiled_kernels()
     path = Path(path)
-    if "model_type" not in _model_config(path):
+    config = _model_config(path)
+    if "model_type" not in config:
         raise ModelError(f"{path / 'config.json'} names no model_type: mlx-lm cannot build it")
-    _check_numeric_sizes(path)
+    _check_numeric_sizes(config, path)
     fmt = choose_weight_format(weights)  # validate before spending time on loading
     try:
         model, config = load_model(path)
