@@ -3,6 +3,8 @@ the CLI runs, around a target the caller already loaded."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,8 +107,28 @@ def run_recipe(
     return pipeline.generate(prompt, on_text=on_text)
 
 
+def _passed_on(
+    caller: str, kwargs: dict[str, Any], own: tuple[str, ...], more: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The keywords a wrapper hands on to `run_recipe`, checked in the wrapper's name: Python's
+    own TypeError would name `run_recipe`, which the caller never called. `own`: what the
+    wrapper sets itself; `more`: keywords it takes besides `run_recipe`'s."""
+    params = inspect.signature(run_recipe).parameters.values()
+    keywords = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    allowed = [name for name in (*keywords, *more) if name not in own]
+    for name in kwargs:
+        if name in own:
+            raise TypeError(f"{caller}() sets {name} itself; it takes: {', '.join(allowed)}")
+        if name not in allowed:
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; it takes: {', '.join(allowed)}"
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+    return kwargs
+
+
 def greedy_generate(target: Any, tokenizer: Any, prompt: Prompt, **kwargs: Any) -> GenResult:
     """Plain decoding (no drafter) - greedy, or sampled when `temperature` > 0."""
+    kwargs = _passed_on("greedy_generate", kwargs, ("drafter",))
     return run_recipe(target, tokenizer, prompt, drafter={"kind": "none"}, **kwargs)
 
 
@@ -127,6 +149,7 @@ def lookup_generate(
         "max_ngram": max_ngram,
         "max_draft": max_draft_tokens,
     }
+    kwargs = _passed_on("lookup_generate", kwargs, ("drafter", "draft_cap"))
     return run_recipe(
         target, tokenizer, prompt, drafter=drafter, draft_cap={"kind": "full_block"}, **kwargs
     )
@@ -144,6 +167,7 @@ def draft_model_generate(
     """Classic speculative decoding with an already loaded draft model sharing the tokenizer."""
     from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 
+    kwargs = _passed_on("draft_model_generate", kwargs, ("drafter", "draft_cap", "objects"))
     drafter = DraftModelDrafter(DraftModelConfig(model="<in memory>"), model=draft)
     return run_recipe(
         target,
@@ -195,7 +219,7 @@ def load_drafter(
     'auto' it is dequantized to float32 (unless `quantize` is 4 or 8)."""
     from dspark_flow.models.drafter_loading import DEEPSPEC, read_spec
     from dspark_flow.models.loading import resolve_model_path
-    from dspark_flow.strategy import BuildContext
+    from dspark_flow.strategy import BuildContext, warm
 
     checkpoint = _model_ref(checkpoint, "load_drafter: checkpoint")  # type: ignore[assignment]
     if checkpoint is None:
@@ -207,8 +231,7 @@ def load_drafter(
     section = {"kind": kind, "checkpoint": checkpoint, "revision": revision, "quantize": quantize}
     drafter = build_strategy("drafter", {**section, "dtype": dtype, **options})
     drafter.load_path(path)
-    drafter.warm_up(BuildContext(model=target, tokenizer=None, recipe=None))
-    return drafter
+    return warm(drafter, BuildContext(model=target, tokenizer=None, recipe=None))
 
 
 def load_pair(
@@ -283,6 +306,7 @@ def speculative_generate(
     `cap_controller` (a draft_cap strategy or its recipe section) overrides it."""
     from dspark_flow.strategy import Drafter
 
+    kwargs = _passed_on("speculative_generate", kwargs, ("drafter", "draft_cap", "objects"))
     if drafter is None:
         raise ConfigError(
             "speculative_generate needs a drafter: a loaded one (load_pair, load_drafter) or a "
@@ -354,6 +378,9 @@ def dflash_generate(
     **kwargs: Any,
 ) -> GenResult:
     """`speculative_generate` with DFlash's default of drafting the full block every round."""
+    kwargs = _passed_on(
+        "dflash_generate", kwargs, ("drafter", "draft_cap", "objects"), more=("cap_controller",)
+    )
     return speculative_generate(
         target, tokenizer, drafter, prompt, max_draft_tokens=max_draft_tokens, **kwargs
     )

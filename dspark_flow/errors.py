@@ -33,6 +33,10 @@ class ConfigError(DsparkFlowError):
     """Strategies that validate alone but do not fit together (checked at build time)."""
 
 
+class StrategyError(DsparkFlowError):
+    """A strategy's own code failed while it started (constructor or warm_up), named."""
+
+
 class PromptError(DsparkFlowError):
     """A prompt that is neither text, chat messages nor token ids of the model's vocabulary."""
 

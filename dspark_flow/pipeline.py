@@ -25,7 +25,15 @@ from dspark_flow.models.context import config_vocab_size
 from dspark_flow.recipe.load import load_recipe, validate
 from dspark_flow.recipe.schema import Recipe
 from dspark_flow.result import GenResult
-from dspark_flow.strategy import SLOTS, BuildContext, StopRule, Strategy, StrategyConfig
+from dspark_flow.strategy import (
+    SLOTS,
+    BuildContext,
+    StopRule,
+    Strategy,
+    StrategyConfig,
+    construct,
+    warm,
+)
 
 log = get_logger()
 
@@ -47,7 +55,7 @@ def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strate
             raise ConfigError(validation_message(exc, f"{slot} {config.get('kind')}")) from None
     else:
         cls = registry.load_kind(slot, config.kind)
-    return cls(config)
+    return construct(cls, config)
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
@@ -182,12 +190,12 @@ class Pipeline:
         # Order matters: the verifier probes only the verify shapes the drafter can ask for,
         # and the cache, draft cap and stops look at all three.
         for strategy in (self.sampler, self.drafter):
-            strategy.warm_up(ctx)
+            warm(strategy, ctx)
         ctx.sampler, ctx.drafter = self.sampler, self.drafter  # type: ignore[assignment]
-        self.verifier.warm_up(ctx)
+        warm(self.verifier, ctx)
         ctx.verifier = self.verifier  # type: ignore[assignment]
         for strategy in (self.cache, self.draft_cap, *self.stops):
-            strategy.warm_up(ctx)
+            warm(strategy, ctx)
         self.components = Components(
             model=model,
             tokenizer=tokenizer,
@@ -256,8 +264,7 @@ class Pipeline:
         changes: dict[str, Any] = {}
         ctx = BuildContext(model=base.model, tokenizer=base.tokenizer, recipe=self.recipe)
         if sampler is not None:
-            changes["sampler"] = build_strategy("sampler", sampler)
-            changes["sampler"].warm_up(ctx)
+            changes["sampler"] = warm(build_strategy("sampler", sampler), ctx)
         if max_new_tokens is not None or stop is not None:
             stops = [s for s in base.stops if max_new_tokens is None or s.token_budget is None]
             extra: list[dict[str, Any]] = []
@@ -266,9 +273,7 @@ class Pipeline:
             if strings := stop_strings(stop):  # checked even when empty ([]: no strings)
                 extra.append({"kind": "strings", "strings": strings})
             for config in extra:
-                rule = build_strategy("stop", config)
-                rule.warm_up(ctx)
-                stops.append(rule)  # type: ignore[arg-type]
+                stops.append(warm(build_strategy("stop", config), ctx))  # type: ignore[arg-type]
             changes["stops"] = stops
         return base.with_request(**changes) if changes else base
 

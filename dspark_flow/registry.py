@@ -15,7 +15,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from dspark_flow.env import env_flag
 from dspark_flow.errors import RegistryError
-from dspark_flow.strategy import SLOTS, Strategy
+from dspark_flow.strategy import SLOTS, Strategy, StrategyConfig
 
 GROUP = "dspark_flow.strategies"
 OWN_DISTRIBUTION = "dspark-flow"
@@ -99,6 +99,11 @@ def conflicts() -> list[tuple[str, str, list[KindInfo]]]:
     ]
 
 
+def malformed() -> tuple[str, ...]:
+    """Entry-point names in the group that are not `<slot>.<kind>` (with their distribution)."""
+    return _scan()[1]
+
+
 def kind_names(slot: str) -> list[str]:
     return [info.kind for info in installed(slot)]
 
@@ -156,4 +161,20 @@ def load_kind(slot: str, kind: str) -> type[Strategy]:
             f"{slot} '{kind}' from {info.source} points at {info.target}, "
             f"which is not a {slot} strategy class"
         )
+    config = getattr(obj, "Config", None)
+    if not (isinstance(config, type) and issubclass(config, StrategyConfig)):
+        # Recipes validate a section through Config.model_validate: anything else would fail
+        # there as an internal error without the plugin's name.
+        raise RegistryError(
+            f"{slot} '{kind}' from {info.source}: {info.target}.Config is not a "
+            "StrategyConfig (the pydantic model of its recipe section)"
+        )
     return obj
+
+
+def source_of(slot: str, kind: str) -> str:
+    """`from acme-spec 0.1.0` for an installed kind; empty when it is not (an object a caller
+    built from an unregistered class)."""
+    claims, _ = _scan()
+    infos = claims.get(slot, {}).get(kind) or []
+    return f" from {infos[0].source}" if len(infos) == 1 else ""

@@ -17,6 +17,10 @@ class GenResult:
     `decode_tokens_per_sec` divides the tokens after the first by the time after the first.
     `accept_lengths[i]` is the number of tokens round i committed (accepted drafts + the target's
     own token), so plain greedy gives 1 each round and `mean_accept_len` is τ.
+
+    A stop string is cut from `text`, while `token_ids` end with the token that completed it
+    (a token can hold text on both sides of the cut); tokens a speculative round committed
+    after it are dropped, so ids, like text, equal plain decoding's.
     """
 
     text: str

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from dspark_flow.errors import DsparkFlowError, StrategyError
 from dspark_flow.recipe.section import Section
 
 if TYPE_CHECKING:
@@ -49,6 +52,39 @@ class Strategy:
 
     def warm_up(self, ctx: BuildContext) -> None:
         """Load weights, check compatibility with the other slots. Called once before use."""
+
+
+S = TypeVar("S", bound=Strategy)
+
+
+@contextmanager
+def _naming(slot: str, kind: str, step: str) -> Iterator[None]:
+    """An unexpected exception from a strategy's own code (a plugin's bug, a file it cannot
+    read) is reported with the strategy's name and source instead of as an internal error;
+    errors meant for the user pass through as they are."""
+    try:
+        yield
+    except DsparkFlowError:
+        raise
+    except Exception as exc:
+        from dspark_flow.registry import source_of  # the registry imports this module
+
+        raise StrategyError(
+            f"{slot} '{kind}'{source_of(slot, kind)} failed in {step}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def construct(cls: type[S], config: StrategyConfig) -> S:
+    with _naming(cls.slot, config.kind, "__init__"):
+        return cls(config)
+
+
+def warm(strategy: S, ctx: BuildContext) -> S:
+    """`strategy.warm_up(ctx)`, naming the strategy if its code fails unexpectedly."""
+    kind = str(getattr(getattr(strategy, "config", None), "kind", type(strategy).__name__))
+    with _naming(strategy.slot, kind, "warm_up"):
+        strategy.warm_up(ctx)
+    return strategy
 
 
 # -- drafter -----------------------------------------------------------------------------------

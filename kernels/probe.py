@@ -25,6 +25,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from dspark_flow.log import get_logger
+
+log = get_logger()
+
 CACHE_ENV = "DSPARK_FLOW_KERNEL_CACHE"
 CACHE_VERSION = 2  # 2: verdicts record `correct` apart from `enabled`
 CACHE_FILE = "verdicts.json"
@@ -137,6 +141,9 @@ def _well_typed(v: Verdict) -> bool:
     )
 
 
+_UNWRITABLE: set[Path] = set()  # verdict files this process could not write (warned once)
+
+
 class VerdictCache:
     """The verdict file: a version field and one entry per key id. Writes are atomic (temp
     file + rename) and re-read the file under a lock first, so concurrent probers merge."""
@@ -180,7 +187,14 @@ class VerdictCache:
                     json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
                 os.replace(tmp, self.path)
             self._entries = entries
-        except OSError:  # a read-only cache only costs re-probing next time
+        except OSError as exc:  # a read-only cache only costs re-probing next time
+            if self.path not in _UNWRITABLE:  # once a process, never silently (a directory
+                _UNWRITABLE.add(self.path)  # where the lock file belongs, a read-only home)
+                log.warning(
+                    "kernel verdicts not saved; shapes will be probed again next run",
+                    path=str(self.path),
+                    error=str(exc),
+                )
             if self._entries is not None:
                 self._entries[key.id()] = verdict.to_json()
 

@@ -279,6 +279,34 @@ def test_the_api_names_objects_of_the_wrong_kind(embedded):
         )
 
 
+def test_the_wrappers_name_themselves_for_keywords_they_do_not_take(embedded):
+    # Python's own TypeError named run_recipe, a function the caller never called.
+    from dspark_flow import dflash_generate, greedy_generate, lookup_generate, speculative_generate
+
+    model, tok = embedded
+    cases = [
+        (lambda: greedy_generate(model, tok, "hi", drafter={"kind": "lookup"}), r"greedy_generate\(\) sets drafter itself"),
+        (lambda: greedy_generate(model, tok, "hi", max_tokens=3), r"greedy_generate\(\) .*'max_tokens'; did you mean max_new_tokens"),
+        (lambda: lookup_generate(model, tok, "hi", draft_cap={"kind": "fixed"}), r"lookup_generate\(\) sets draft_cap itself"),
+        (lambda: speculative_generate(model, tok, "builtin:smollm2-135m-dspark", "hi", objects={}), r"speculative_generate\(\) sets objects"),
+        (lambda: dflash_generate(model, tok, "builtin:smollm2-135m-dflash", "hi", temprature=0.5), r"dflash_generate\(\) .*did you mean temperature"),
+    ]  # fmt: skip
+    for call, words in cases:
+        with pytest.raises(TypeError, match=words) as info:
+            call()
+        assert "run_recipe" not in str(info.value)
+
+
+def test_a_revision_for_the_built_in_model_is_refused(capsys):
+    from dspark_flow import load_target
+
+    # It used to be ignored: the user believed the revision pinned something.
+    with pytest.raises(ModelError, match="revision 'v2': builtin:smollm2-135m is built in"):
+        load_target("builtin:smollm2-135m", revision="v2")
+    assert main(["run", QUICKSTART, "--prompt", "hi", "--set", "target.revision=v2"]) == 2
+    assert capsys.readouterr().err.startswith("error: revision 'v2': builtin:smollm2-135m")
+
+
 def test_a_verdict_with_wrong_types_is_probed_again(tmp_path):
     from dspark_flow.kernels import probe
 

@@ -116,6 +116,29 @@ def test_stop_string_spanning_token_boundary(embedded, greedy_refs):
         assert "".join(pieces) == res.text
 
 
+def test_a_stop_string_ends_speculation_where_it_ends_greedy_decoding(embedded):
+    """A round commits several tokens: those after the one completing a stop string used to stay
+    in `token_ids` (the text was cut right), so speculative and greedy ids differed."""
+    from dspark_flow.api import load_drafter, speculative_generate
+
+    model, tok = embedded
+    drafter = load_drafter("builtin:smollm2-135m-dspark", model)
+    prompt = "Write a Python function that returns the sum of a list."
+    text = greedy_generate(model, tok, prompt, max_new_tokens=MAX_NEW).text
+    tail = text[12:24]
+    # Single strings, and a pair where the longer one starts first but is completed later.
+    for stop in (["return"], ["def "], ["\n\n"], [tail, tail[6:9]]):
+        plain = greedy_generate(model, tok, prompt, max_new_tokens=MAX_NEW, stop=stop)
+        pieces: list[str] = []
+        spec = speculative_generate(
+            model, tok, drafter, prompt, max_new_tokens=MAX_NEW, max_draft_tokens=None,
+            stop=stop, on_text=pieces.append,
+        )  # fmt: skip
+        assert plain.finish_reason == spec.finish_reason == "stop", stop
+        assert spec.token_ids == plain.token_ids and spec.num_tokens == plain.num_tokens, stop
+        assert spec.text == plain.text == "".join(pieces), stop
+
+
 def test_streaming_concatenation_and_utf8(embedded):
     model, tok = embedded
     pieces: list[str] = []

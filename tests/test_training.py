@@ -505,6 +505,14 @@ def test_cli_reports_a_bad_training_recipe_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("section", ["data", "train"])
+def test_a_negative_training_seed_is_refused_at_validation(section):
+    # It used to pass validation and fail inside numpy's generator once the stage began.
+    with pytest.raises(RecipeError, match=rf"{section}\.seed: .*greater than or equal to 0"):
+        text = _recipe_text() + ("train:\n" if section == "train" else "")
+        loads_train_recipe(text + "  seed: -1\n", "r.yaml")
+
+
 TRAIN_RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes", "train").glob("*.yaml"))
 
 

@@ -276,12 +276,14 @@ def test_data_worker_parse_errors(tmp_path):
     from dspark_flow.training.run import run_training
 
     assert tdata.DataWorker.parse("1/3") == tdata.DataWorker(1, 3)
-    for bad in ("2/2", "x/2", "1", "0/0", "-1/2"):
+    for bad in ("2/2", "x/2", "1", "0/0", "-1/2", ""):  # "" used to mean "all of it"
         with pytest.raises(DsparkFlowError, match="data worker"):
             tdata.DataWorker.parse(bad)
     # A share is data only: refused before any model is loaded.
     with pytest.raises(DsparkFlowError, match="runs the data stage only"):
         run_training(_recipe(tmp_path), stages=("data", "train"), data_worker="0/2")
+    with pytest.raises(DsparkFlowError, match="data worker ''"):
+        run_training(_recipe(tmp_path), stages=("data",), data_worker="")
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from dspark_flow.calibration.controller import Plan, best_plan, expected_tokens,
 from dspark_flow.calibration.curves import DEFAULT_DEPTHS, Curves
 from dspark_flow.calibration.estimators import AcceptanceEstimator, LengthEstimator
 from dspark_flow.calibration.obtain import drafter_block, obtain_curves
-from dspark_flow.calibration.store import ENV_DIR, CurveStore, calibration_dir
+from dspark_flow.calibration.store import ENV_DIR, CurveStore, calibration_dir, drafter_identity
 from dspark_flow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _drafter_for(
     """A ready drafter from what calibrate() was given."""
     import mlx.nn as nn
 
-    from dspark_flow.strategy import BuildContext, Drafter
+    from dspark_flow.strategy import BuildContext, Drafter, construct, warm
 
     if isinstance(drafter, Drafter):
         return drafter
@@ -81,9 +81,9 @@ def _drafter_for(
         raise ConfigError(f"calibrate(mode={mode!r}) needs drafter= or drafter_repo=")
     # A block drafter's checkpoint 'auto' is looked up by the target's name.
     recipe = SimpleNamespace(target=SimpleNamespace(model=target_repo, revision=target_revision))
-    built = cls(cls.Config.model_validate(section))
-    built.warm_up(BuildContext(model=model, tokenizer=tokenizer, recipe=recipe, sampler=sampler))
-    return built
+    built = construct(cls, cls.Config.model_validate(section))
+    ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=recipe, sampler=sampler)
+    return warm(built, ctx)
 
 
 def calibrate(
@@ -168,4 +168,5 @@ def calibrate(
     )
     cap = AutoCap(config, curves=curves)
     cap.cache_path = path
+    cap.calibrated_for = drafter_identity(ready)
     return cap

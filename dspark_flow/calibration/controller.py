@@ -36,7 +36,15 @@ from dspark_flow.calibration.estimators import (
     RoundCostRatios,
 )
 from dspark_flow.log import get_logger
-from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, BuildContext, DraftCap, StrategyConfig
+from dspark_flow.strategy import (
+    COPY_SOURCE,
+    DRAFTER_SOURCE,
+    BuildContext,
+    DraftCap,
+    StrategyConfig,
+    construct,
+    warm,
+)
 
 log = get_logger()
 
@@ -269,6 +277,9 @@ class CurveCap(DraftCap):
         super().__init__(config)
         self.curves = curves
         self.cache_path: Any = None
+        # `drafter_identity` of the drafter given curves were measured with (calibrate() sets
+        # it), so that warm_up can say when the cap is used with another drafter.
+        self.calibrated_for: dict[str, Any] | None = None
         self.depth = 0  # tokens in the context (prompt + committed) of the current generation
         self.chosen: Counter[int] = Counter()  # k per round, for reports
         self._plans: dict[tuple[Any, ...], Plan] = {}
@@ -311,6 +322,8 @@ class CurveCap(DraftCap):
         if drafter is not None:
             self._follow_generations(drafter)
             self.drafter_sizes_drafts = bool(getattr(drafter, "sizes_own_drafts", False))
+        if self.curves is not None and drafter is not None and self.calibrated_for is not None:
+            self._check_calibrated_for(drafter)
         if self.curves is not None or drafter is None or drafter.max_draft == 0:
             return
         from dspark_flow.calibration.obtain import drafter_block, obtain_curves
@@ -337,6 +350,19 @@ class CurveCap(DraftCap):
         )
         self._plans.clear()
         log.info("draft cost curves", path=str(self.cache_path), measured=measured)
+
+    def _check_calibrated_for(self, drafter: Any) -> None:
+        """Another drafter's curves still decode losslessly, but price its rounds wrongly."""
+        from dspark_flow.calibration.store import drafter_identity
+
+        measured_with = self.calibrated_for or {}
+        if drafter_identity(drafter) != measured_with:
+            log.warning(
+                "draft cap calibrated for another drafter; its cost curves may not fit this one "
+                "(calibrate() with this drafter)",
+                calibrated_for=measured_with.get("kind"),
+                drafter=getattr(drafter.config, "kind", type(drafter).__name__),
+            )
 
     def _follow_generations(self, drafter: Any) -> None:
         """The DraftCap contract has no begin(); the context depth of a new generation is
@@ -688,8 +714,7 @@ def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
             return None, "reference"
         from dspark_flow import registry
 
-        verifier = registry.load_kind("verifier", config.kind)(config)
-        verifier.warm_up(ctx)
+        verifier = warm(construct(registry.load_kind("verifier", config.kind), config), ctx)
     if verifier_identity(verifier) == "reference":
         return None, "reference"
     return verifier.forward, verifier_identity(verifier)

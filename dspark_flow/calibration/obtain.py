@@ -38,8 +38,9 @@ def obtain_curves(
     store: CurveStore | None = None,
     forward: Forward | None = None,
     verifier_kind: str = "reference",  # `controller.verifier_identity`: kind and settings
-) -> tuple[Curves, Path, bool]:
-    """(curves, cache file, whether they were measured now)."""
+) -> tuple[Curves, Path | None, bool]:
+    """(curves, cache file or None where it could not be written, whether they were measured
+    now)."""
     store = store or CurveStore()
     block = block or drafter_block(drafter)
     settings = {
@@ -72,5 +73,5 @@ def obtain_curves(
             forward=forward,
         )
 
-    found, measured = store.get(key, run, force=force)
-    return found, store.path_for(key), measured
+    found, measured, path = store.get(key, run, force=force)
+    return found, path, measured

@@ -256,11 +256,10 @@ class CurveStore:
 
     def get(
         self, key: dict[str, Any], measure: Callable[[], Curves], force: bool = False
-    ) -> tuple[Curves, bool]:
+    ) -> tuple[Curves, bool, Path | None]:
         """Cached curves for `key`, else `measure()` them and cache them; returns (curves,
-        measured)."""
+        measured, the file they are in: None when it could not be written)."""
         if not force and (cached := self.load(key)) is not None:
-            return cached, False
+            return cached, False, self.path_for(key)
         curves = measure()
-        self.save(key, curves)
-        return curves, True
+        return curves, True, self.save(key, curves)

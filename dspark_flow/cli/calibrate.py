@@ -115,9 +115,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from dspark_flow.cli.main import print_json
 
-        print_json({"path": str(path), "measured": measured, **curves.to_dict()})
+        print_json({"path": str(path) if path else None, "measured": measured, **curves.to_dict()})
         return 0
     print(format_curves(curves, settings.get("acceptance", 0.6)))
-    state = "measured" if measured else "cached"
-    print(f"[{state}: {path}]")
+    if path is None:  # the store logged why
+        print("[measured; not cached: the calibration cache could not be written]")
+    else:
+        print(f"[{'measured' if measured else 'cached'}: {path}]")
     return 0

@@ -137,12 +137,25 @@ def _list(args: argparse.Namespace) -> int:
 
     slots = [args.slot] if args.slot else list(SLOTS)
     infos = [i for s in slots for i in registry.installed(s)]
+    # A kind claimed twice is unusable until one claim goes: listing the first claim alone
+    # would show a plugin in a built-in's place.
+    claimed_by = {
+        (slot, kind): " and ".join(c.source for c in claims)
+        for slot, kind, claims in registry.conflicts()
+    }
     width = max((len(f"{i.slot}.{i.kind}") for i in infos), default=10)
     for info in infos:
-        print(f"{info.slot + '.' + info.kind:<{width}}  {info.source}")
-    for slot, kind, claims in registry.conflicts():
-        who = " and ".join(c.source for c in claims)
-        print(f"warning: {slot}.{kind} is claimed by {who}", file=sys.stderr)
+        who = claimed_by.get((info.slot, info.kind))
+        source = f"CONFLICT: claimed by {who}" if who else info.source
+        print(f"{info.slot + '.' + info.kind:<{width}}  {source}")
+    for (slot, kind), who in claimed_by.items():
+        print(f"warning: {slot}.{kind} is claimed by {who}; uninstall one", file=sys.stderr)
+    for name in registry.malformed():
+        print(
+            f"warning: entry point {name} in {registry.GROUP} is not named <slot>.<kind> "
+            f"(slots: {', '.join(SLOTS)}); ignored",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -65,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except DsparkFlowError as exc:
+        if exc.__cause__ is not None and env_flag("DSPARK_FLOW_DEBUG"):
+            traceback.print_exception(exc.__cause__)  # e.g. where a plugin's warm_up failed
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"error: {line}", file=sys.stderr)
         return exc.exit_code

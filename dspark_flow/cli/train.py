@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         raise DsparkFlowError(
             f"--time-limit {args.time_limit}: must be a positive number of seconds"
         )
-    if args.data_worker:
+    if args.data_worker is not None:  # "" too: an empty share is a slip, not "all of it"
         DataWorker.parse(args.data_worker)  # a malformed I/N fails here, --check or not
     stages = tuple(args.stage) if args.stage else STAGES
     if args.check or {"train", "export"} & set(stages):

@@ -177,7 +177,8 @@ def decode(
         if stop is not None:
             del generated[stop[0] :]
             finish = stop[1]
-        if stream.active and stream.update(generated) is not None:
+        if stream.active and (keep := stream.update(generated)) is not None:
+            del generated[keep:]  # the cache may hold more; finish() is told what counts
             finish, stopped_by_text = "stop", True
             break
         for piece in pending:

@@ -25,6 +25,7 @@ class TextStream:
         self.on_text = on_text
         self.emitted = ""  # everything passed to on_text so far
         self.checked = 0  # characters already searched for stop strings
+        self.seen = 0  # tokens already searched for them
         self._text = ""
 
     @property
@@ -36,23 +37,36 @@ class TextStream:
         return self.tokenizer.decode(token_ids)
 
     def update(self, token_ids: list[int]) -> int | None:
-        """Take the whole generated sequence so far; return the cut if a stop string appeared."""
+        """Take the whole generated sequence so far. If a stop string appeared, return how many
+        tokens the generation keeps: the fewest that show one, as when tokens come one at a
+        time. A speculative round commits several at once, and tokens past the stop would
+        make its token ids differ from plain decoding's (its text, cut at the stop, did not)."""
+        stable, cut = self._find_stop(token_ids)
+        if cut is None:
+            self.seen = len(token_ids)
+            self.checked = len(stable)
+            hold = max((rule.holdback(stable) for rule in self.text_stops), default=0)
+            self._text = stable
+            self._emit(stable[: len(stable) - hold])
+            return None
+        keep = len(token_ids)
+        for n in range(self.seen + 1, keep):  # the round's tokens before its last, in order
+            stable_n, cut_n = self._find_stop(token_ids[:n])
+            if cut_n is not None:
+                keep, stable, cut = n, stable_n, cut_n
+                break
+        self._text = stable[:cut]
+        self._emit(self._text)
+        return keep
+
+    def _find_stop(self, token_ids: list[int]) -> tuple[str, int | None]:
+        """(decoded text without an unfinished last character, where the first stop string
+        in it begins or None)."""
         text = self._decode(token_ids)
         stable = text.rstrip(REPLACEMENT) if text.endswith(REPLACEMENT) else text
-        cut = None
-        for rule in self.text_stops:
-            at = rule.check_text(stable, self.checked)
-            if at is not None and (cut is None or at < cut):
-                cut = at
-        if cut is not None:
-            self._text = stable[:cut]
-            self._emit(self._text)
-            return cut
-        self.checked = len(stable)
-        hold = max((rule.holdback(stable) for rule in self.text_stops), default=0)
-        self._text = stable
-        self._emit(stable[: len(stable) - hold])
-        return None
+        start = min(self.checked, len(stable))
+        cuts = [rule.check_text(stable, start) for rule in self.text_stops]
+        return stable, min((at for at in cuts if at is not None), default=None)
 
     def _emit(self, upto: str) -> None:
         if len(upto) > len(self.emitted) and upto.startswith(self.emitted):

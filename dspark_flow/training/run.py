@@ -88,7 +88,7 @@ def run_training(
     from dspark_flow.training.warm_start import require_init_from
 
     t_start = time.perf_counter()
-    worker = DataWorker.parse(data_worker) if data_worker else DataWorker()
+    worker = DataWorker.parse(data_worker) if data_worker is not None else DataWorker()
     if worker.count > 1 and set(stages) != {"data"}:
         raise DsparkFlowError("a data worker (I/N) runs the data stage only: add --stage data")
     summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
