@@ -328,6 +328,11 @@ def test_messages_streaming_and_stop_sequence(server, claude):
         final = s.get_final_message()
     assert "".join(pieces) == final.content[0].text and pieces
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
+    # Again, the prompt now in the prefix cache: message_delta's usage used to carry the
+    # cache split, which the SDK merged over message_start's prompt length.
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=TALK, system=system) as s:
+        again = s.get_final_message()
+    assert again.usage.input_tokens == final.usage.input_tokens > 1
 
     word = final.content[0].text.split()[2]
     blocks = [{"role": "user", "content": [{"type": "text", "text": TALK[0]["content"]}]}]
@@ -452,7 +457,18 @@ OPENAI_CASES = [
     ("top_logprobs", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "top_logprobs": 5}, 400, None),
     ("oversize", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "pad": "x" * BODY_LIMIT}, 413, None),
     ("no route", "/v1/nothing", BEARER, GOOD_CHAT, 404, None),
-]
+    # Found by the server audit of 2026-12-03: a 500, or a parameter dropped unseen.
+    ("lone surrogate, model", "/v1/chat/completions", BEARER,
+     b'{"model": "\\ud800", "messages": [{"role": "user", "content": "Hi"}]}', 404, "model"),
+    ("lone surrogate, stop", "/v1/chat/completions", BEARER,
+     b'{"model": "lookup", "messages": [{"role": "user", "content": "Hi"}], "stop": ["\\ud800"]}', 400, "stop"),
+    ("assistant tool calls", "/v1/chat/completions", BEARER,
+     {**GOOD_CHAT, "messages": [*SHORT, {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     400, "messages[1]"),
+    ("tool_choice without tools", "/v1/chat/completions", BEARER,
+     {**GOOD_CHAT, "tool_choice": "required"}, 400, None),
+]  # fmt: skip
 
 ANTHROPIC_CASES = [
     ("invalid json", XKEY, b"{", 400, "invalid_request_error"),
@@ -482,7 +498,13 @@ ANTHROPIC_CASES = [
     ("unknown model", XKEY, {**GOOD_MSG, "model": "claude-x"}, 404, "not_found_error"),
     ("wrong key", {"x-api-key": "nope"}, GOOD_MSG, 401, "authentication_error"),
     ("oversize", XKEY, {**GOOD_MSG, "pad": "x" * BODY_LIMIT}, 413, "request_too_large"),
-]
+    ("lone surrogate, model", XKEY,
+     b'{"model": "\\udc80", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}', 404, "not_found_error"),
+    ("lone surrogate, stop", XKEY, b'{"model": "lookup", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], "stop_sequences": ["\\ud800"]}', 400, "invalid_request_error"),
+    ("empty content", XKEY, {**GOOD_MSG, "messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error"),
+    ("prefill alone", XKEY, {**GOOD_MSG, "messages": [{"role": "assistant", "content": "Hi"}]}, 400, "invalid_request_error"),
+    ("tool_choice without tools", XKEY, {**GOOD_MSG, "tool_choice": {"type": "any"}}, 400, "invalid_request_error"),
+]  # fmt: skip
 
 
 def _post(server, path: str, headers: dict, body) -> httpx.Response:
@@ -508,6 +530,31 @@ def test_anthropic_bad_requests(server, name, headers, body, status, kind):
     assert r.status_code == status, r.text
     data = r.json()
     assert data["type"] == "error" and data["error"]["type"] == kind and data["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+        },
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        {"model": MODEL, "messages": SHORT, "system": [{"type": "image"}]},
+        {"model": MODEL, "messages": SHORT, "tools": [{"name": "f", "input_schema": {}}]},
+    ],
+)
+def test_count_tokens_refuses_what_messages_refuses(server, body):
+    # Non-text blocks were a 500 there (checked only while encoding); tools were ignored.
+    r = _post(server, "/v1/messages/count_tokens", XKEY, body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_wrong_methods_name_the_allowed_ones_and_health_answers_head(server):
+    r = httpx.get(f"{server.url}/v1/chat/completions", headers=BEARER, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert httpx.head(f"{server.url}/health", timeout=30).status_code == 200
+    assert httpx.head(f"{server.url}/v1/models", headers=BEARER, timeout=30).status_code == 200
 
 
 def test_an_auth_header_without_its_scheme_is_named(server):

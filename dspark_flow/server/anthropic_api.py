@@ -3,6 +3,8 @@
 Only text content is served. A final assistant message is a prefill: the answer continues it.
 Usage follows Anthropic's convention: `input_tokens` counts the prompt tokens that were run,
 `cache_read_input_tokens` those taken from the prefix cache (their sum is the prompt length).
+A stream reports the whole prompt as `input_tokens` in message_start (the split is known only at
+the end) and `output_tokens` alone in message_delta.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dspark_flow.server.common import (
     Finished,
     Strict,
     TextPart,
+    check_stops,
     parts_text,
-    refuse_empty,
     sse,
 )
 from dspark_flow.server.engine import Job
@@ -36,6 +38,20 @@ class Message(Strict):
     content: str | list[Block]
 
 
+def _check_content(messages: list[Message], system: Any, tools: Any, tool_choice: Any) -> None:
+    """What /v1/messages and count_tokens both refuse: 400s, not a 500 from encoding later."""
+    if tools:
+        raise ValueError("tools are not supported")
+    if tool_choice is not None and tool_choice != {"type": "none"}:
+        raise ValueError("tool_choice is not supported (no tools are served)")
+    if system is not None:
+        _blocks_text(system)
+    for i, message in enumerate(messages):
+        if message.content == []:  # Anthropic refuses an empty turn too
+            raise ValueError(f"messages[{i}].content must not be empty")
+        _blocks_text(message.content)
+
+
 class MessagesRequest(Strict):
     model: str
     max_tokens: int = Field(ge=1)
@@ -47,6 +63,7 @@ class MessagesRequest(Strict):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     tools: list[Any] | None = None
+    tool_choice: Any = None
     thinking: Any = None
 
     @field_validator("thinking")
@@ -59,17 +76,12 @@ class MessagesRequest(Strict):
     @field_validator("stop_sequences")
     @classmethod
     def _stops(cls, value: list[str] | None) -> list[str] | None:
-        refuse_empty(value or [], "stop sequences")
+        check_stops(value or [], "stop sequences")
         return value
 
     @model_validator(mode="after")
     def _check(self) -> MessagesRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.system is not None:
-            _blocks_text(self.system)
-        for message in self.messages:
-            _blocks_text(message.content)
+        _check_content(self.messages, self.system, self.tools, self.tool_choice)
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -84,6 +96,13 @@ class CountTokensRequest(Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CountTokensRequest:
+        _check_content(self.messages, self.system, self.tools, self.tool_choice)
+        return self
 
     def chat_messages(self) -> list[dict[str, str]]:
         request = MessagesRequest.model_construct(
@@ -139,7 +158,9 @@ async def stream(job: Job, model: str, prompt_tokens: int) -> AsyncIterator[str]
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        # How much came from the prefix cache is known only at the end (message_delta).
+        # How much came from the prefix cache is known only at the end, and the SDKs merge
+        # message_delta's usage into this one: the delta carries output_tokens alone, so the
+        # merged input_tokens stays the prompt's length (the split is in the `dspark_flow` field).
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
     }
     yield sse({"type": "message_start", "message": start}, "message_start")
@@ -163,7 +184,7 @@ async def stream(job: Job, model: str, prompt_tokens: int) -> AsyncIterator[str]
             delta_event = {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason(item), "stop_sequence": item.stop_sequence},
-                "usage": usage(item),
+                "usage": {"output_tokens": item.result.num_tokens},
                 "dspark_flow": item.extension(),
             }
             yield sse(delta_event, "message_delta")

@@ -74,7 +74,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         # Unknown routes and wrong methods, in the caller's envelope too.
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
         err = ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}")
-        return JSONResponse(error_body(request.url.path, err), status_code=exc.status_code)
+        return JSONResponse(  # exc.headers: a 405's Allow
+            error_body(request.url.path, err), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -108,7 +110,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     # -- routes ------------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> JSONResponse:
         from dspark_flow.strategies.caches.prefix import active_memory_probe
 
@@ -134,7 +136,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         }
         return JSONResponse(body, status_code=200 if engine.ready else 503)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> JSONResponse:
         check_api_key(request, config.api_key)
         return JSONResponse({"object": "list", "data": [_model_card(config.model_id)]})

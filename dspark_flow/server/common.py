@@ -47,10 +47,18 @@ def parts_text(content: str | list[TextPart], noun: str) -> str:
     return "".join(parts)
 
 
-def refuse_empty(strings: list[str], what: str) -> None:
-    """An empty stop string would end every output at once."""
+def check_stops(strings: list[str], what: str) -> None:
+    """An empty stop string would end every output at once; one that is not UTF-8 (a JSON
+    escape such as \\ud800 decodes to a lone surrogate) could never match."""
     if any(s == "" for s in strings):
         raise ValueError(f"{what} must not be empty")
+    for s in strings:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{what} must be valid UTF-8 text (at character {e.start + 1})"
+            ) from None
 
 
 # Anthropic names its error types by status; OpenAI uses invalid_request_error for all 4xx.
@@ -79,6 +87,9 @@ class ApiError(Exception):
         code: str | None = None,
         type: str | None = None,
     ):
+        # A message may repeat client text (a model name); a lone surrogate from a JSON escape
+        # would fail to encode in the response and turn a 404 into a 500.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message

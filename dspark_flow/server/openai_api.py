@@ -21,8 +21,8 @@ from dspark_flow.server.common import (
     Finished,
     Strict,
     TextPart,
+    check_stops,
     parts_text,
-    refuse_empty,
     sse,
 )
 from dspark_flow.server.engine import Job
@@ -34,9 +34,14 @@ class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
+        # Tools are not served; a past turn's calls would vanish from the prompt unseen.
+        if self.tool_calls or self.function_call:
+            raise ValueError("tool calls are not supported")
         # OpenAI lets only an assistant turn (one that made tool calls) have no content; a user
         # turn without any is a client bug better named than answered as an empty turn.
         if self.content is None and self.role != "assistant":
@@ -79,7 +84,7 @@ class _Common(Strict):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        refuse_empty([value] if isinstance(value, str) else (value or []), "stop strings")
+        check_stops([value] if isinstance(value, str) else (value or []), "stop strings")
         return value
 
     @model_validator(mode="after")
@@ -106,6 +111,7 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     functions: list[Any] | None = None  # the older spelling of tools
     response_format: Any = None
+    tool_choice: Any = None
 
     @field_validator("functions")
     @classmethod
@@ -126,6 +132,8 @@ class ChatCompletionRequest(_Common):
     def _check(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none"):  # "required" with no tools cannot be met
+            raise ValueError("tool_choice is not supported (no tools are served)")
         for message in self.messages:
             message.text()  # raises on non-text parts
         return self

@@ -51,6 +51,10 @@ def encode_chat(
     if continue_last and messages and messages[-1]["role"] == "assistant":
         prefill = messages[-1]["content"]
         messages = messages[:-1]
+    if not messages:  # an assistant prefill alone: the template's own words say less
+        raise ApiError(
+            400, "the conversation needs a message before the assistant's", param="messages"
+        )
     try:
         ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
     except Exception as exc:  # templates raise on role orders they do not support
