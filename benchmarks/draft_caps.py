@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         force=args.recalibrate,
     )
     calib_s = time.perf_counter() - t0
-    print(f"curves {'measured' if measured else 'cached'} in {calib_s:.1f}s: {cache_path}")
+    where = cache_path or "not cached (the cache could not be written)"
+    print(f"curves {'measured' if measured else 'cached'} in {calib_s:.1f}s: {where}")
     blas = "OpenBLAS" if info.get("blas") else "reference BLAS"
     where = (
         f"{info['backend']}, {info['device'].get('device_name', '?')}, {info['cpus']} CPUs, {blas}"

@@ -108,14 +108,22 @@ def run_recipe(
 
 
 def _passed_on(
-    caller: str, kwargs: dict[str, Any], own: tuple[str, ...], more: tuple[str, ...] = ()
+    wrapper: Callable[..., Any],
+    kwargs: dict[str, Any],
+    own: tuple[str, ...],
+    through: tuple[Callable[..., Any], ...] = (),
 ) -> dict[str, Any]:
-    """The keywords a wrapper hands on to `run_recipe`, checked in the wrapper's name: Python's
-    own TypeError would name `run_recipe`, which the caller never called. `own`: what the
-    wrapper sets itself; `more`: keywords it takes besides `run_recipe`'s."""
-    params = inspect.signature(run_recipe).parameters.values()
-    keywords = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
-    allowed = [name for name in (*keywords, *more) if name not in own]
+    """The keywords a wrapper hands on, checked in the wrapper's name: Python's own TypeError
+    would name `run_recipe`, which the caller never called. `own`: what the wrapper sets
+    itself; `through`: the functions the rest goes through (`run_recipe` always)."""
+    keywords = [
+        p.name
+        for fn in (wrapper, *through, run_recipe)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind == p.KEYWORD_ONLY
+    ]
+    allowed = [name for name in dict.fromkeys(keywords) if name not in own]
+    caller = wrapper.__name__
     for name in kwargs:
         if name in own:
             raise TypeError(f"{caller}() sets {name} itself; it takes: {', '.join(allowed)}")
@@ -128,7 +136,7 @@ def _passed_on(
 
 def greedy_generate(target: Any, tokenizer: Any, prompt: Prompt, **kwargs: Any) -> GenResult:
     """Plain decoding (no drafter) - greedy, or sampled when `temperature` > 0."""
-    kwargs = _passed_on("greedy_generate", kwargs, ("drafter",))
+    kwargs = _passed_on(greedy_generate, kwargs, ("drafter",))
     return run_recipe(target, tokenizer, prompt, drafter={"kind": "none"}, **kwargs)
 
 
@@ -149,7 +157,7 @@ def lookup_generate(
         "max_ngram": max_ngram,
         "max_draft": max_draft_tokens,
     }
-    kwargs = _passed_on("lookup_generate", kwargs, ("drafter", "draft_cap"))
+    kwargs = _passed_on(lookup_generate, kwargs, ("drafter", "draft_cap"))
     return run_recipe(
         target, tokenizer, prompt, drafter=drafter, draft_cap={"kind": "full_block"}, **kwargs
     )
@@ -167,7 +175,7 @@ def draft_model_generate(
     """Classic speculative decoding with an already loaded draft model sharing the tokenizer."""
     from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 
-    kwargs = _passed_on("draft_model_generate", kwargs, ("drafter", "draft_cap", "objects"))
+    kwargs = _passed_on(draft_model_generate, kwargs, ("drafter", "draft_cap", "objects"))
     drafter = DraftModelDrafter(DraftModelConfig(model="<in memory>"), model=draft)
     return run_recipe(
         target,
@@ -306,7 +314,7 @@ def speculative_generate(
     `cap_controller` (a draft_cap strategy or its recipe section) overrides it."""
     from dspark_flow.strategy import Drafter
 
-    kwargs = _passed_on("speculative_generate", kwargs, ("drafter", "draft_cap", "objects"))
+    kwargs = _passed_on(speculative_generate, kwargs, ("drafter", "draft_cap", "objects"))
     if drafter is None:
         raise ConfigError(
             "speculative_generate needs a drafter: a loaded one (load_pair, load_drafter) or a "
@@ -378,9 +386,8 @@ def dflash_generate(
     **kwargs: Any,
 ) -> GenResult:
     """`speculative_generate` with DFlash's default of drafting the full block every round."""
-    kwargs = _passed_on(
-        "dflash_generate", kwargs, ("drafter", "draft_cap", "objects"), more=("cap_controller",)
-    )
+    own = ("drafter", "draft_cap", "objects")
+    kwargs = _passed_on(dflash_generate, kwargs, own, through=(speculative_generate,))
     return speculative_generate(
         target, tokenizer, drafter, prompt, max_draft_tokens=max_draft_tokens, **kwargs
     )

@@ -64,8 +64,8 @@ def _naming(slot: str, kind: str, step: str) -> Iterator[None]:
     errors meant for the user pass through as they are."""
     try:
         yield
-    except DsparkFlowError:
-        raise
+    except (DsparkFlowError, ModuleNotFoundError, MemoryError):
+        raise  # the CLI names a missing package itself; memory is nobody's bug
     except Exception as exc:
         from dspark_flow.registry import source_of  # the registry imports this module
 
@@ -82,7 +82,7 @@ def construct(cls: type[S], config: StrategyConfig) -> S:
 def warm(strategy: S, ctx: BuildContext) -> S:
     """`strategy.warm_up(ctx)`, naming the strategy if its code fails unexpectedly."""
     kind = str(getattr(getattr(strategy, "config", None), "kind", type(strategy).__name__))
-    with _naming(strategy.slot, kind, "warm_up"):
+    with _naming(getattr(strategy, "slot", "strategy"), kind, "warm_up"):
         strategy.warm_up(ctx)
     return strategy
 

@@ -290,6 +290,8 @@ def test_the_wrappers_name_themselves_for_keywords_they_do_not_take(embedded):
         (lambda: lookup_generate(model, tok, "hi", draft_cap={"kind": "fixed"}), r"lookup_generate\(\) sets draft_cap itself"),
         (lambda: speculative_generate(model, tok, "builtin:smollm2-135m-dspark", "hi", objects={}), r"speculative_generate\(\) sets objects"),
         (lambda: dflash_generate(model, tok, "builtin:smollm2-135m-dflash", "hi", temprature=0.5), r"dflash_generate\(\) .*did you mean temperature"),
+        (lambda: speculative_generate(model, tok, "builtin:smollm2-135m-dspark", "hi", max_draft_token=3), r"did you mean max_draft_tokens\?"),
+        (lambda: lookup_generate(model, tok, "hi", max_draft=8), r"did you mean max_draft_tokens\?"),
     ]  # fmt: skip
     for call, words in cases:
         with pytest.raises(TypeError, match=words) as info:

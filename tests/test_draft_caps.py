@@ -210,6 +210,12 @@ def test_a_cap_calibrated_for_another_drafter_says_so(tiny, monkeypatch):
         cap.warm_up(BuildContext(model=tiny, tokenizer=None, recipe=None, drafter=used_with))
         assert bool(warnings) == warned  # it used to take another drafter's curves silently
     assert warnings[0]["calibrated_for"] == "lookup"
+    # One drafter however its checkpoint was named; other files are another drafter.
+    auto = {"kind": "dspark", "config": {"kind": "dspark", "checkpoint": "auto", "block": 7}}
+    named = {**auto, "config": {**auto["config"], "checkpoint": "builtin:x"}, "checkpoint": "f1"}
+    assert controller._same_drafter(auto, named)
+    assert not controller._same_drafter({**named, "checkpoint": "f2"}, named)
+    assert not controller._same_drafter(auto, {**auto, "config": {**auto["config"], "block": 4}})
 
 
 def geometric_rounds(

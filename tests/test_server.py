@@ -328,11 +328,13 @@ def test_messages_streaming_and_stop_sequence(server, claude):
         final = s.get_final_message()
     assert "".join(pieces) == final.content[0].text and pieces
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
-    # Again, the prompt now in the prefix cache: message_delta's usage used to carry the
-    # cache split, which the SDK merged over message_start's prompt length.
+    # Again, the prompt now in the prefix cache: message_delta's usage carries the split, and
+    # the SDK's final usage sums to the same prompt length.
     with claude.messages.stream(model=MODEL, max_tokens=8, messages=TALK, system=system) as s:
         again = s.get_final_message()
-    assert again.usage.input_tokens == final.usage.input_tokens > 1
+    prompt = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt
+    assert again.usage.cache_read_input_tokens > 0
 
     word = final.content[0].text.split()[2]
     blocks = [{"role": "user", "content": [{"type": "text", "text": TALK[0]["content"]}]}]
@@ -502,6 +504,7 @@ ANTHROPIC_CASES = [
      b'{"model": "\\udc80", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}', 404, "not_found_error"),
     ("lone surrogate, stop", XKEY, b'{"model": "lookup", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}], "stop_sequences": ["\\ud800"]}', 400, "invalid_request_error"),
     ("empty content", XKEY, {**GOOD_MSG, "messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error"),
+    ("empty text", XKEY, {**GOOD_MSG, "messages": [{"role": "user", "content": ""}]}, 400, "invalid_request_error"),
     ("prefill alone", XKEY, {**GOOD_MSG, "messages": [{"role": "assistant", "content": "Hi"}]}, 400, "invalid_request_error"),
     ("tool_choice without tools", XKEY, {**GOOD_MSG, "tool_choice": {"type": "any"}}, 400, "invalid_request_error"),
 ]  # fmt: skip

@@ -266,6 +266,22 @@ class AdaptiveCapConfig(CurveCapConfig):
     )
 
 
+def _same_drafter(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two `drafter_identity` records name one drafter however its checkpoint was named
+    (`auto` and the name it resolves to); the files' own identity, where both record it, must
+    agree."""
+
+    def named_apart(identity: dict[str, Any]) -> dict[str, Any]:
+        config = identity.get("config", {})
+        config = {k: v for k, v in config.items() if k not in ("checkpoint", "revision")}
+        return {**{k: v for k, v in identity.items() if k != "checkpoint"}, "config": config}
+
+    files_agree = (
+        "checkpoint" not in a or "checkpoint" not in b or a["checkpoint"] == b["checkpoint"]
+    )
+    return files_agree and named_apart(a) == named_apart(b)
+
+
 class CurveCap(DraftCap):
     """Picks k from curves; `adaptive` subclasses learn p and may switch drafting off."""
 
@@ -349,14 +365,15 @@ class CurveCap(DraftCap):
             verifier_kind=verifier_kind,
         )
         self._plans.clear()
-        log.info("draft cost curves", path=str(self.cache_path), measured=measured)
+        where = str(self.cache_path) if self.cache_path else "not cached"
+        log.info("draft cost curves", path=where, measured=measured)
 
     def _check_calibrated_for(self, drafter: Any) -> None:
         """Another drafter's curves still decode losslessly, but price its rounds wrongly."""
         from dspark_flow.calibration.store import drafter_identity
 
         measured_with = self.calibrated_for or {}
-        if drafter_identity(drafter) != measured_with:
+        if not _same_drafter(drafter_identity(drafter), measured_with):
             log.warning(
                 "draft cap calibrated for another drafter; its cost curves may not fit this one "
                 "(calibrate() with this drafter)",

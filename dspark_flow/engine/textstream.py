@@ -49,12 +49,16 @@ class TextStream:
             self._text = stable
             self._emit(stable[: len(stable) - hold])
             return None
-        keep = len(token_ids)
-        for n in range(self.seen + 1, keep):  # the round's tokens before its last, in order
-            stable_n, cut_n = self._find_stop(token_ids[:n])
-            if cut_n is not None:
-                keep, stable, cut = n, stable_n, cut_n
-                break
+        # Once visible a stop string stays visible as tokens are appended: bisect the round
+        # (a copied run can commit hundreds of tokens) for the fewest tokens that show one.
+        low, keep = self.seen + 1, len(token_ids)
+        while low < keep:
+            mid = (low + keep) // 2
+            stable_mid, cut_mid = self._find_stop(token_ids[:mid])
+            if cut_mid is None:
+                low = mid + 1
+            else:
+                keep, stable, cut = mid, stable_mid, cut_mid
         self._text = stable[:cut]
         self._emit(self._text)
         return keep

@@ -77,7 +77,7 @@ def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
         and (target / "config.json").is_file()
         and (target / "model.safetensors").is_file()
         and _sizes_match(target, marker.get("files"))
-        and _contents_match(target, marker.get("sha256"), marker.get("mtime_ns"))
+        and _contents_match(target, marker)
     )
 
 
@@ -100,20 +100,40 @@ def _sizes_match(target: Path, recorded: Any) -> bool:
         return False
 
 
-def _contents_match(target: Path, hashes: Any, mtimes: Any) -> bool:
+def _contents_match(target: Path, marker: dict[str, Any]) -> bool:
     """A file written to since the build (its mtime moved) must still hash as recorded: a
-    same-size overwrite would pass the size check. Hashing only then keeps a load cheap.
+    same-size overwrite would pass the size check. Hashing only then keeps a load cheap; a
+    file found intact gets its new mtime recorded (a copied cache hashes once, not per load).
     (Markers written before hashes were recorded pass.)"""
+    hashes, mtimes = marker.get("sha256"), marker.get("mtime_ns")
     if not isinstance(hashes, dict) or not isinstance(mtimes, dict):
         return True
+    moved = {}
     try:
-        return all(
-            (target / name).stat().st_mtime_ns == mtimes.get(name)
-            or file_sha256(target / name) == digest
-            for name, digest in hashes.items()
-        )
+        for name, digest in hashes.items():
+            mtime = (target / name).stat().st_mtime_ns
+            if mtime != mtimes.get(name):
+                if file_sha256(target / name) != digest:
+                    return False
+                moved[name] = mtime
     except OSError:
         return False
+    if moved:
+        _write_marker(target, {**marker, "mtime_ns": {**mtimes, **moved}})
+    return True
+
+
+def _write_marker(folder: Path, marker: dict[str, Any]) -> None:
+    """Atomically; a read-only cache keeps its old marker (it only costs hashing again)."""
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".marker-")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(marker, indent=2) + "\n")
+        os.replace(tmp, folder / MARKER)
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _writable_dir(path: Path) -> Path:

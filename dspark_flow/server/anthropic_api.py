@@ -4,7 +4,7 @@ Only text content is served. A final assistant message is a prefill: the answer 
 Usage follows Anthropic's convention: `input_tokens` counts the prompt tokens that were run,
 `cache_read_input_tokens` those taken from the prefix cache (their sum is the prompt length).
 A stream reports the whole prompt as `input_tokens` in message_start (the split is known only at
-the end) and `output_tokens` alone in message_delta.
+the end) and the split in message_delta, whose usage the SDKs copy over message_start's.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def _check_content(messages: list[Message], system: Any, tools: Any, tool_choice
     if system is not None:
         _blocks_text(system)
     for i, message in enumerate(messages):
-        if message.content == []:  # Anthropic refuses an empty turn too
+        text = _blocks_text(message.content)
+        prefill = i == len(messages) - 1 and message.role == "assistant"
+        if not text and not prefill:  # Anthropic refuses an empty turn but an empty prefill
             raise ValueError(f"messages[{i}].content must not be empty")
-        _blocks_text(message.content)
 
 
 class MessagesRequest(Strict):
@@ -158,9 +159,8 @@ async def stream(job: Job, model: str, prompt_tokens: int) -> AsyncIterator[str]
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        # How much came from the prefix cache is known only at the end, and the SDKs merge
-        # message_delta's usage into this one: the delta carries output_tokens alone, so the
-        # merged input_tokens stays the prompt's length (the split is in the `dspark_flow` field).
+        # How much came from the prefix cache is known only at the end: message_delta's
+        # usage (cumulative; the SDKs copy it over this one) gives the split.
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
     }
     yield sse({"type": "message_start", "message": start}, "message_start")
@@ -184,7 +184,7 @@ async def stream(job: Job, model: str, prompt_tokens: int) -> AsyncIterator[str]
             delta_event = {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason(item), "stop_sequence": item.stop_sequence},
-                "usage": {"output_tokens": item.result.num_tokens},
+                "usage": usage(item),
                 "dspark_flow": item.extension(),
             }
             yield sse(delta_event, "message_delta")

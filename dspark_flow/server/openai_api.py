@@ -112,6 +112,7 @@ class ChatCompletionRequest(_Common):
     functions: list[Any] | None = None  # the older spelling of tools
     response_format: Any = None
     tool_choice: Any = None
+    function_call: Any = None  # the older spelling of tool_choice
 
     @field_validator("functions")
     @classmethod
@@ -132,8 +133,9 @@ class ChatCompletionRequest(_Common):
     def _check(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):  # "required" with no tools cannot be met
-            raise ValueError("tool_choice is not supported (no tools are served)")
+        for name in ("tool_choice", "function_call"):  # "required" with no tools cannot be met
+            if getattr(self, name) not in (None, "none"):
+                raise ValueError(f"{name} is not supported (no tools are served)")
         for message in self.messages:
             message.text()  # raises on non-text parts
         return self
