@@ -175,6 +175,7 @@ def load_kind(slot: str, kind: str) -> type[Strategy]:
 def source_of(slot: str, kind: str) -> str:
     """`from acme-spec 0.1.0` for an installed kind; empty when it is not (an object a caller
     built from an unregistered class)."""
-    claims, _ = _scan()
-    infos = claims.get(slot, {}).get(kind) or []
-    return f" from {infos[0].source}" if len(infos) == 1 else ""
+    try:
+        return f" from {lookup(slot, kind).source}"
+    except RegistryError:  # unknown or claimed twice: nothing to name
+        return ""

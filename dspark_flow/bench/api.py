@@ -40,7 +40,8 @@ def write_outputs(
     import tempfile
 
     from dspark_flow.bench import plots as plotting
-    from dspark_flow.bench.report import json_text, render_markdown, write_text_atomic
+    from dspark_flow.bench.report import json_text, render_markdown
+    from dspark_flow.files import write_text_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     outcome = BenchOutcome(data)

@@ -80,22 +80,6 @@ def json_text(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=1, ensure_ascii=False) + "\n"
 
 
-def write_text_atomic(text: str, path: Path) -> Path:
-    """Write through a temporary file and a rename: a failed write leaves the old file whole."""
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the report private
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def load_json(path: str | Path) -> dict[str, Any]:
     from dspark_flow.errors import DsparkFlowError
 

@@ -339,7 +339,7 @@ class CurveCap(DraftCap):
             self._follow_generations(drafter)
             self.drafter_sizes_drafts = bool(getattr(drafter, "sizes_own_drafts", False))
         if self.curves is not None and drafter is not None and self.calibrated_for is not None:
-            self._check_calibrated_for(drafter)
+            self._check_calibrated_for(drafter, self.calibrated_for)
         if self.curves is not None or drafter is None or drafter.max_draft == 0:
             return
         from dspark_flow.calibration.obtain import drafter_block, obtain_curves
@@ -368,11 +368,10 @@ class CurveCap(DraftCap):
         where = str(self.cache_path) if self.cache_path else "not cached"
         log.info("draft cost curves", path=where, measured=measured)
 
-    def _check_calibrated_for(self, drafter: Any) -> None:
+    def _check_calibrated_for(self, drafter: Any, measured_with: dict[str, Any]) -> None:
         """Another drafter's curves still decode losslessly, but price its rounds wrongly."""
         from dspark_flow.calibration.store import drafter_identity
 
-        measured_with = self.calibrated_for or {}
         if not _same_drafter(drafter_identity(drafter), measured_with):
             log.warning(
                 "draft cap calibrated for another drafter; its cost curves may not fit this one "

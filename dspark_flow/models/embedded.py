@@ -8,6 +8,7 @@ member is converted into an mlx-lm directory under the cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dspark_flow.errors import ModelError
+from dspark_flow.files import write_text_atomic
 
 # Data, not code: add a model by adding an entry. Hashes pin the exact bytes we convert.
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
@@ -125,15 +127,8 @@ def _contents_match(target: Path, marker: dict[str, Any]) -> bool:
 
 def _write_marker(folder: Path, marker: dict[str, Any]) -> None:
     """Atomically; a read-only cache keeps its old marker (it only costs hashing again)."""
-    tmp: str | None = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".marker-")
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(marker, indent=2) + "\n")
-        os.replace(tmp, folder / MARKER)
-    except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        write_text_atomic(json.dumps(marker, indent=2) + "\n", folder / MARKER)
 
 
 def _writable_dir(path: Path) -> Path:

@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from dspark_flow.errors import PromptError
 from dspark_flow.log import get_logger
+from dspark_flow.pipeline import check_text
 from dspark_flow.result import GenResult
 
 log = get_logger()
@@ -52,13 +54,11 @@ def check_stops(strings: list[str], what: str) -> None:
     escape such as \\ud800 decodes to a lone surrogate) could never match."""
     if any(s == "" for s in strings):
         raise ValueError(f"{what} must not be empty")
-    for s in strings:
+    for i, s in enumerate(strings):
         try:
-            s.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"{what} must be valid UTF-8 text (at character {e.start + 1})"
-            ) from None
+            check_text(s, f"{what}[{i}]")
+        except PromptError as e:  # a ValueError is what request validators raise
+            raise ValueError(str(e)) from None
 
 
 # Anthropic names its error types by status; OpenAI uses invalid_request_error for all 4xx.
