@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 
-def write_text_atomic(text: str, path: Path) -> Path:
-    """Write through a temporary file and a rename: a failed write leaves the old file whole."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object], durable: bool = False) -> Path:
+    """Write `path` through a temporary file beside it and a rename.
+
+    A reader, or another process writing the same file, sees the old file or the new one, never
+    half of either; a failed write leaves the old file whole and no temporary behind (the
+    temporary is `.<name>.<random>.tmp`, so a folder's `*.tmp` sweep also finds one a killed
+    process left). `durable` syncs the data to disk before the rename, for caches and datasets
+    that should outlive a power cut, at the price of a disk flush."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the report private
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the file private to this user
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text_atomic(text: str, path: Path, durable: bool = False) -> Path:
+    """`write_atomic` for UTF-8 text."""
+    return write_atomic(path, lambda f: f.write(text.encode("utf-8")), durable)

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -25,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from dspark_flow.files import write_text_atomic
 from dspark_flow.log import get_logger
 
 log = get_logger()
@@ -182,10 +182,8 @@ class VerdictCache:
             with FileLock(str(self.path) + ".lock"):
                 entries = self._read()
                 entries[key.id()] = verdict.to_json()
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".verdicts-")
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
-                os.replace(tmp, self.path)
+                text = json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1)
+                write_text_atomic(text, self.path)
             self._entries = entries
         except OSError as exc:  # a read-only cache only costs re-probing next time
             if self.path not in _UNWRITABLE:  # once a process, never silently (a directory

@@ -13,13 +13,13 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dspark_flow.calibration.curves import Curves
+from dspark_flow.files import write_text_atomic
 from dspark_flow.log import get_logger
 
 log = get_logger()
@@ -234,24 +234,15 @@ class CurveStore:
             return None
 
     def save(self, key: dict[str, Any], curves: Curves) -> Path | None:
-        """Write atomically (temp file + os.replace); a failure is logged, not raised."""
+        """Write atomically and durably; a failure is logged, not raised."""
         path = self.path_for(key)
         payload = {"version": VERSION, "key": key, "curves": curves.to_dict()}
-        tmp: str | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{path.stem}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(payload, f, indent=1, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            return path
+            text = json.dumps(payload, indent=1, sort_keys=True) + "\n"
+            return write_text_atomic(text, path, durable=True)
         except OSError as e:
             log.warning("could not write calibration cache", path=str(path), error=str(e))
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
             return None
 
     def get(

@@ -15,8 +15,6 @@ the answer tokens in the self-distilled training data, which are the target's ow
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from dspark_flow.errors import ConfigError, DsparkFlowError
+from dspark_flow.files import write_atomic
 
 VOCAB_FILE = "draft_vocab.npy"
 
@@ -66,11 +65,8 @@ def write_draft_vocab(directory: Path, counts: np.ndarray) -> Path:
     path = directory / VOCAB_FILE
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{VOCAB_FILE}.", dir=directory)
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, ranked_ids(counts)[: int((np.asarray(counts) > 0).sum())])
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        ids = ranked_ids(counts)[: int((np.asarray(counts) > 0).sum())]
+        write_atomic(path, lambda f: np.save(f, ids))
     except OSError as e:
         raise DsparkFlowError(f"cannot write {path}: {e}") from e
     return path

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from dspark_flow.errors import ConfigError, DsparkFlowError, RecipeError
+from dspark_flow.files import write_atomic
 from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import PromptFile, TrainRecipe
 
@@ -218,18 +219,8 @@ def _batch_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0])
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    # Per-process temporary name: data workers write the same manifest at about the same time.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1).encode("utf-8")))
+    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1).encode("utf-8")), durable=True)
 
 
 # -- batched generation ------------------------------------------------------------------------
@@ -472,7 +463,7 @@ def _self_prompts(
                 bar.update(1)
         batch += 1
         body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        _write_atomic(path, lambda f, body=body: f.write(body.encode("utf-8")))
+        write_atomic(path, lambda f, body=body: f.write(body.encode("utf-8")), durable=True)
     if bar is not None:
         bar.close()
     if len(prompts) < want:
@@ -661,7 +652,7 @@ def _fill_cache(
             "sources": np.array(sources, dtype=np.str_) if sources else np.zeros(0, "U1"),
             "key": np.array(key),
         }
-        _write_atomic(cache / _shard_name(ci), lambda f, a=arrays: np.savez(f, **a))
+        write_atomic(cache / _shard_name(ci), lambda f, a=arrays: np.savez(f, **a), durable=True)
     if bar is not None:
         bar.close()
     if worker.count > 1:  # what this share cost, for the record of the call that completes the set

@@ -1,0 +1,41 @@
+"""The one atomic write every cache, report and dataset file goes through."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_flow.files import write_atomic, write_text_atomic
+
+
+def test_a_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "cache.json"
+    write_text_atomic("old", path)
+    write_text_atomic("néw\n", path, durable=True)
+    assert path.read_text(encoding="utf-8") == "néw\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's private 0600
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "shard.npz"
+    write_atomic(path, lambda f: np.savez(f, a=np.arange(3)))
+
+    def half_then_fail(f: object) -> None:
+        f.write(b"half a file")  # type: ignore[attr-defined]
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(path, half_then_fail)
+    with np.load(path) as z:
+        assert z["a"].tolist() == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.npz"]
+
+
+def test_a_missing_folder_is_an_oserror_not_a_partial_file(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        write_text_atomic("x", tmp_path / "absent" / "f.json")
+    assert list(tmp_path.iterdir()) == []
