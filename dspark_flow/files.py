@@ -36,3 +36,20 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], durable: bool
 def write_text_atomic(text: str, path: Path, durable: bool = False) -> Path:
     """`write_atomic` for UTF-8 text."""
     return write_atomic(path, lambda f: f.write(text.encode("utf-8")), durable)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why `folder` could not be created or written into (None: it could), found without
+    creating it: the nearest part of the path that exists must be a folder this process may
+    write a file in."""
+    here = Path(folder).absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        return f"{here} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=here, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        return f"cannot write in {here} ({exc.strerror or exc})"
+    return None

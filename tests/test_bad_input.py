@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dspark_flow.cli.main import main
-from dspark_flow.errors import ConfigError, ModelError, PromptError
+from dspark_flow.errors import ConfigError, DsparkFlowError, ModelError, PromptError
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
@@ -139,20 +139,39 @@ def test_train_check_reads_the_prompt_files_and_the_flags(tmp_path, capsys):
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "notes.txt").write_text("mine")
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text("{}")
+    card = tmp_path / "card"  # a hub drafter's folder, say: only names a drafter might have
+    card.mkdir()
+    (card / "README.md").write_text("mine")
+    drafter, other = tmp_path / "drafter", tmp_path / "other"
+    for folder, name in ((drafter, "t"), (other, "someone-else")):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"dspark_flow": {"recipe": name}}))
     for sets, why in [
         ([f"output={afile}"], "is a file"),
-        ([f"output={notes}"], "holds files that are not a drafter's (notes.txt)"),
+        ([f"output={afile / 'sub'}"], f"{afile} is a file, not a folder"),
+        ([f"output={notes}"], "holds files this tool did not export (notes.txt)"),
+        ([f"output={card}"], "holds files this tool did not export (README.md)"),
+        ([f"output={other}"], "recipe 'someone-else' exported (--replace replaces it)"),
         ([f"output={drafter}", f"train.init_from={drafter}"], "is the output directory"),
     ]:
         argv = ["train", recipe, "--check"] + [a for s in sets for a in ("--set", s)]
         assert main(argv) == 2
         assert why in _one_error_line(capsys)
     assert afile.read_text() == "mine" and (notes / "notes.txt").read_text() == "mine"
+    assert (card / "README.md").read_text() == "mine"
     assert main(["train", recipe, "--check", "--set", f"output={drafter}"]) == 0
+    assert main(["train", recipe, "--check", "--replace", "--set", f"output={other}"]) == 0
     capsys.readouterr()
+    # A prompt file or line range holding no prompts is a slip, found before any work.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["train", recipe, "--check", "--set", f"data.prompts.0.path={empty}"]) == 2
+    assert f"no prompts in {empty}" in _one_error_line(capsys)
+    assert main(["train", recipe, "--check", "--set", "data.prompts.0.lines=5-"]) == 2
+    assert "no prompts in" in (line := _one_error_line(capsys)) and "within lines 5-" in line
+    # More blocks a sequence than it has positions: refused, not a 149 GiB allocation later.
+    assert main(["train", recipe, "--check", "--set", "train.anchors_per_seq=100000"]) == 2
+    assert "exceeds train.seq_len" in _one_error_line(capsys)
     # A key given twice: the inference recipe's loader refuses it, and so does training's.
     twice = tmp_path / "twice.yaml"
     twice.write_text(Path(recipe).read_text() + "name: u\n")
@@ -418,3 +437,80 @@ def test_a_missing_dependency_is_named_in_one_line():
         "error: the Python package 'fastapi' is missing: install dspark-flow with its "
         "dependencies (pip install dspark-flow)"
     ], done.stderr
+
+
+def test_train_output_set_on_the_command_line_is_relative_to_the_working_dir(tmp_path, monkeypatch):
+    from dspark_flow.training.recipe import load_train_recipe
+
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "p.jsonl").write_text('{"turns": ["hello"]}\n')
+    path = tmp_path / "recipes" / "r.yaml"
+    path.write_text(
+        "name: t\ndrafter: {kind: dspark, block_size: 4}\n"
+        "data: {prompts: [{path: p.jsonl}]}\noutput: out/from-file\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    in_file = load_train_recipe(path)
+    assert Path(in_file.output) == tmp_path / "recipes" / "out" / "from-file"  # the file's dir
+    typed = load_train_recipe(
+        path, ["output=out/typed", f"data.prompts.0.path={path.parent}/p.jsonl"]
+    )
+    assert Path(typed.output) == work / "out" / "typed"  # where the user typed it
+    assert Path(typed.data.prompts[0].path) == tmp_path / "recipes" / "p.jsonl"
+
+
+def test_a_data_cache_folder_of_the_users_is_refused_before_anything_is_cleared(tmp_path):
+    from dspark_flow.training.data import check_cache_folder
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"my": "notes"}')
+    (mine / "notes.tmp").write_text("draft")
+    with pytest.raises(
+        DsparkFlowError,
+        match=r"holds files the data stage did not write \(manifest.json, notes.tmp\)",
+    ):
+        check_cache_folder(mine)
+    assert (mine / "notes.tmp").read_text() == "draft"
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    for name in (
+        "shard_00000.npz",
+        "self_prompts.jsonl",
+        ".shard_00001.npz.x1.tmp",
+        "share_0_of_2.json",
+    ):
+        (ours / name).write_text("")
+    (ours / "manifest.json").write_text('{"key": "abc", "chunks": 1}')
+    check_cache_folder(ours)  # everything there is the data stage's own
+    check_cache_folder(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("text", ["[]", '{"chunks": "x", "key": "k"}', '{"key": "k"}'])
+def test_a_malformed_data_manifest_is_one_line_not_an_internal_error(tmp_path, text):
+    from dspark_flow.training.data import load_samples
+
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(DsparkFlowError, match="not a data manifest this tool wrote"):
+        load_samples(tmp_path)
+
+
+def test_a_drafter_config_with_a_malformed_value_is_a_model_error(tmp_path):
+    import shutil
+
+    from dspark_flow.models.drafter_loading import read_spec
+
+    shipped = Path(__file__).parents[1] / "dspark_flow/data/drafters/smollm2-135m-dspark"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(shipped / "config.json", bad / "config.json")
+    config = json.loads((bad / "config.json").read_text())
+    config["block_size"] = "x"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"config.json: a malformed value"):
+        read_spec(bad)
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelError, match="is not a JSON object"):
+        read_spec(bad)

@@ -266,6 +266,12 @@ def test_report_schema_through_cli(tmp_path, capsys):
         capsys.readouterr()
         assert (out / "bench.json").read_bytes() == saved
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no scratch
+    # A report rendered again without plots takes the earlier figures away with it.
+    assert (
+        main(["bench", "--from-json", str(out / "bench.json"), "--out", str(out), "--no-plots"])
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
     assert main(["bench", str(RECIPES / "lookup.yaml"), "--from-json", str(broken)]) == 2
     assert "leave out the recipes" in capsys.readouterr().err
 

@@ -200,6 +200,25 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         second = run_training(recipe, stages=stages, progress=False)
         assert not second["train"]["paused"] and second["exported_step"] == 3
         assert second["train"]["calls"] == 2
+        # Someone else's drafter (another recipe's, or a hub download): evaluating it leaves
+        # its card alone; exporting over it needs `replace`.
+        foreign = tmp_path / "foreign"
+        shutil.copytree(tmp_path / "drafter", foreign)
+        config = json.loads((foreign / "config.json").read_text())
+        config["dspark_flow"]["recipe"] = "someone-else"
+        (foreign / "config.json").write_text(json.dumps(config))
+        (foreign / "README.md").write_text("theirs")
+        theirs = recipe.model_copy(deep=True)
+        theirs.output = str(foreign)
+        theirs.eval.prompts, theirs.eval.max_new_tokens = recipe.data.prompts, 8
+        judged = run_training(theirs, stages=("eval",), progress=False)
+        assert judged["eval"]["shipped"] and (foreign / "README.md").read_text() == "theirs"
+        assert json.loads((foreign / "train_summary.json").read_text()).get("eval") is None
+        with pytest.raises(DsparkFlowError, match="recipe 'someone-else' exported"):
+            run_training(theirs, stages=("export",), progress=False)
+        assert (foreign / "README.md").read_text() == "theirs"
+        run_training(theirs, stages=("export",), progress=False, replace=True)
+        assert "theirs" not in (foreign / "README.md").read_text()
         this_call = second["seconds"]  # the whole second call, its training included
         assert first["train"]["seconds"] < second["train"]["seconds"]
         assert second["train"]["seconds"] <= first["train"]["seconds"] + this_call + 0.1
@@ -449,11 +468,17 @@ def test_export_never_replaces_a_directory_that_is_not_a_drafter(embedded, tmp_p
     home = tmp_path / "home"
     home.mkdir()
     (home / "notes.txt").write_text("mine")
-    with pytest.raises(DsparkFlowError, match="is not a drafter directory"):
+    with pytest.raises(DsparkFlowError, match=r"did not export \(notes.txt\)"):
         trainer.export(home)
     assert (home / "notes.txt").read_text() == "mine"
+    card = tmp_path / "card"  # names a drafter might have are not enough: README.md is mine
+    card.mkdir()
+    (card / "README.md").write_text("mine")
+    with pytest.raises(DsparkFlowError, match=r"did not export \(README.md\)"):
+        trainer.export(card)
+    assert (card / "README.md").read_text() == "mine"
     out = trainer.export(tmp_path / "d")
-    assert trainer.export(out) == out  # a drafter directory is replaced
+    assert trainer.export(out) == out  # this recipe's own drafter is replaced
     assert out.stat().st_mode & 0o005 == 0o005  # readable by others, not 0700 like mkdtemp
 
 

@@ -60,6 +60,10 @@ def write_outputs(
         for path in staged:
             os.replace(path, out_dir / path.name)
             outcome.files.append(out_dir / path.name)
+        # A figure of an earlier report in this folder that this one did not draw would sit
+        # beside the new numbers as if it showed them.
+        for name in set(plotting.FIGURES) - {path.name for path in staged}:
+            (out_dir / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return outcome

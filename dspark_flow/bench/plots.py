@@ -12,6 +12,8 @@ from dspark_flow.bench.summary import ALL
 from dspark_flow.errors import DsparkFlowError
 
 MISSING = "matplotlib is not installed: plots skipped (pip install 'dspark-flow[plot]')"
+# Every figure a report may hold (a run writes those its data has).
+FIGURES = ("speed.png", "acceptance.png", "verify_cost.png")
 
 
 def available() -> bool:
@@ -132,9 +134,10 @@ def verify_cost_chart(data: dict[str, Any], path: Path) -> Path | None:
 def make_plots(data: dict[str, Any], out_dir: Path) -> list[Path]:
     """All figures into `out_dir`; raises DsparkFlowError(MISSING) without matplotlib."""
     _pyplot()
+    speed, acceptance, verify_cost = (out_dir / name for name in FIGURES)
     made = [
-        speed_chart(data, out_dir / "speed.png"),
-        acceptance_histogram(data, out_dir / "acceptance.png"),
-        verify_cost_chart(data, out_dir / "verify_cost.png"),
+        speed_chart(data, speed),
+        acceptance_histogram(data, acceptance),
+        verify_cost_chart(data, verify_cost),
     ]
     return [p for p in made if p is not None]

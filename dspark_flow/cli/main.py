@@ -85,6 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except MemoryError as exc:  # a user's setting asked for too much, rarely our bug
+        print(
+            f"error: out of memory ({exc or 'MemoryError'}): try a smaller model, batch, "
+            "max_tokens or training setting",
+            file=sys.stderr,
+        )
+        return 1
     except Exception as exc:
         return _internal_error(exc)
 

@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --stage data: make only share I of N of the answers (one process per GPU; "
         "worker 0 writes the self prompts, the others wait for them)",
     )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="let export replace a drafter another training recipe exported in `output` "
+        "(never other files)",
+    )
     p.add_argument("--check", action="store_true", help="validate the recipe and stop")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -54,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.data_worker is not None:  # "" too: an empty share is a slip, not "all of it"
         DataWorker.parse(args.data_worker)  # a malformed I/N fails here, --check or not
     stages = tuple(args.stage) if args.stage else STAGES
-    if args.check or {"train", "export"} & set(stages):
-        check_output(recipe, args.recipe)
+    if args.check or {"train", "export", "vocab"} & set(stages):
+        check_output(recipe, args.recipe, args.replace)
     if args.check:
         start = recipe.train.init_from
         if start and not Path(start).exists():  # a later stage may check before an earlier runs
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         command=command,
         time_limit=args.time_limit,
         data_worker=args.data_worker,
+        replace=args.replace,
     )
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -94,6 +94,15 @@ def read_spec(path: Path) -> DrafterSpec:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read drafter config {path / 'config.json'}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ModelError(f"drafter config {path / 'config.json'} is not a JSON object")
+    try:
+        return _spec_from(cfg, path)
+    except (TypeError, ValueError, AttributeError) as e:  # e.g. "block_size": "x"
+        raise ModelError(f"drafter config {path / 'config.json'}: a malformed value ({e})") from e
+
+
+def _spec_from(cfg: dict[str, Any], path: Path) -> DrafterSpec:
     layout = detect_layout(cfg, path)
     nested = cfg.get("dflash_config") or {}
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -514,6 +515,32 @@ def _shard_ok(path: Path, key: str) -> bool:
         return False
 
 
+# What the data stage writes in its cache folder (temporaries: `files.write_atomic`'s hidden
+# ones, and the per-process names that came before them).
+_OURS = re.compile(
+    r"(manifest\.json|self_prompts\.jsonl|self_prompts\.done\.json|shard_\d+\.npz"
+    r"|share_\d+_of_\d+\.json|\..+\.tmp|.+\.\d+\.tmp)"
+)
+
+
+def check_cache_folder(cache: Path) -> None:
+    """Refuse a cache folder holding files the data stage did not write (`data.cache_dir`
+    pointed at a folder of the user's): clearing stale data there would delete them."""
+    if not cache.is_dir():
+        if cache.exists():
+            raise DsparkFlowError(f"data cache {cache} is a file; name a folder in data.cache_dir")
+        return
+    foreign = sorted(p.name for p in cache.iterdir() if not _OURS.fullmatch(p.name))
+    manifest = cache / MANIFEST
+    if manifest.is_file() and not isinstance(read_json_object(manifest).get("key"), str):
+        foreign.insert(0, MANIFEST)  # a manifest.json, but not one of ours
+    if foreign:
+        raise DsparkFlowError(
+            f"data cache {cache} holds files the data stage did not write "
+            f"({', '.join(foreign[:3])}); name a new or empty folder in data.cache_dir"
+        )
+
+
 def _clear(cache: Path) -> None:
     for p in [*cache.glob("shard_*.npz"), *cache.glob("*.tmp"), cache / MANIFEST]:
         p.unlink(missing_ok=True)
@@ -532,6 +559,7 @@ def build_dataset(
     A `worker` other than 0/1 makes only its share; the data is complete (and the manifest says
     so) once every share is on disk, whichever worker finishes last."""
     cache = data_cache_dir(recipe)
+    check_cache_folder(cache)
     created = not cache.exists()
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -711,12 +739,24 @@ def load_samples(cache_dir: Path) -> list[Sample]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DsparkFlowError(f"{cache_dir}: no training data (run build_dataset first)") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DsparkFlowError(f"{path}: unreadable manifest ({exc})") from None
+    chunks = manifest.get("chunks") if isinstance(manifest, dict) else None
+    key = manifest.get("key") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(chunks, int)
+        or isinstance(chunks, bool)
+        or chunks < 0
+        or not isinstance(key, str)
+    ):
+        raise DsparkFlowError(
+            f"{path}: not a data manifest this tool wrote (it needs a count of chunks and a "
+            "key); rerun the data stage"
+        )
     samples: list[Sample] = []
-    for i in range(int(manifest.get("chunks", 0))):
+    for i in range(chunks):
         shard = cache_dir / _shard_name(i)
-        if not _shard_ok(shard, manifest.get("key", "")):
+        if not _shard_ok(shard, key):
             raise DsparkFlowError(
                 f"{cache_dir}: training data incomplete ({shard.name} missing or stale); "
                 "rerun to resume generation"

@@ -17,12 +17,46 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dspark_flow.errors import DsparkFlowError
+from dspark_flow.models.draft_vocab import VOCAB_FILE
 from dspark_flow.models.drafter_loading import quantizable
 from dspark_flow.training.recipe import TrainRecipe
 
 WEIGHTS = "model.safetensors"
-# What an exported drafter directory holds; export replaces only such a directory.
-DRAFTER_FILES = {WEIGHTS, "config.json", "README.md", "train_summary.json", "draft_vocab.npy"}
+
+
+def exported_by(out: Path) -> str | None:
+    """The name of the training recipe that exported the drafter in `out` (its config.json's
+    `dspark_flow.recipe`); None for anything else, a hub drafter included."""
+    try:
+        config = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    mark = config.get("dspark_flow") if isinstance(config, dict) else None
+    name = mark.get("recipe") if isinstance(mark, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def refusal(out: Path, recipe_name: str, replace: bool = False) -> str | None:
+    """Why the recipe `recipe_name` may not write its drafter into `out` (None: it may).
+
+    It may write into a new or empty folder, one holding only a draft vocabulary (its own vocab
+    stage's), or a drafter it exported itself; a drafter another recipe exported only with
+    `replace`; never into anything else (a hub drafter, a folder of notes): a user's files are
+    not deleted to make room."""
+    out = Path(out)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return "is a file"
+    names = sorted(p.name for p in out.iterdir())
+    if not names or names == [VOCAB_FILE]:
+        return None
+    owner = exported_by(out)
+    if owner is None:
+        return f"holds files this tool did not export ({', '.join(names[:3])})"
+    if owner != recipe_name and not replace:
+        return f"holds the drafter that recipe '{owner}' exported (--replace replaces it)"
+    return None
 
 
 def drafter_config(recipe: TrainRecipe, dims: dict[str, int], mask_token_id: int) -> dict[str, Any]:
@@ -103,23 +137,17 @@ def write_drafter(
     group_size: int = 32,
     dtype: str = "bfloat16",
     extra_files: dict[str, str] | None = None,
+    replace: bool = False,
 ) -> Path:
-    """Save `model` + `config` as a loadable drafter directory (atomically replaced)."""
+    """Save `model` + `config` as a loadable drafter directory, atomically replacing what
+    `refusal` allows (a drafter another recipe exported only with `replace`)."""
     config = dict(config)
     if quantize:
         config["quantization"] = {"group_size": group_size, "bits": quantize, "mode": "affine"}
     weights = export_weights(model, getattr(mx, dtype), quantize, group_size)
     out = Path(out)
-    if out.exists():
-        foreign = (
-            [p.name for p in out.iterdir() if p.name not in DRAFTER_FILES] if out.is_dir() else []
-        )
-        if foreign or not out.is_dir():
-            raise DsparkFlowError(
-                f"output {out} exists and is not a drafter directory ({', '.join(foreign[:3]) or 'a file'}); "
-                "name a new or drafter directory in `output`"
-            )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if why := refusal(out, config.get("dspark_flow", {}).get("recipe", ""), replace):
+        raise DsparkFlowError(f"output {out} {why}; name a new directory in `output`")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

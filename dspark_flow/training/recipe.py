@@ -8,6 +8,7 @@ Checks that need the target (drafter width vs target width, tap ids vs depth) ru
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -175,7 +176,9 @@ class TrainSpec(Section):
     steps: int = Field(1000, ge=1)
     batch_size: int = Field(16, ge=1, description="sequences per step")
     seq_len: int = Field(512, ge=16, description="sequences are cut/padded to this many tokens")
-    anchors_per_seq: int = Field(32, ge=1, description="blocks sampled per sequence per step")
+    anchors_per_seq: int = Field(
+        32, ge=1, description="blocks sampled per sequence per step (at most seq_len)"
+    )
     lr: float = Field(6e-4, gt=0.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr * this")
     warmup_steps: int = Field(50, ge=0)
@@ -231,6 +234,11 @@ class TrainRecipe(Section):
 
     @model_validator(mode="after")
     def _room_for_answers(self) -> TrainRecipe:
+        if self.train.anchors_per_seq > self.train.seq_len:  # (memory grows with it)
+            raise ValueError(
+                f"train.anchors_per_seq: {self.train.anchors_per_seq} exceeds train.seq_len "
+                f"{self.train.seq_len}: a sequence has at most one block per position"
+            )
         if self.train.seq_len <= self.data.max_prompt_tokens:
             raise ValueError(
                 f"train.seq_len: {self.train.seq_len} must exceed data.max_prompt_tokens "
@@ -247,21 +255,27 @@ class TrainRecipe(Section):
         return 4.0 if self.drafter.kind == "dspark" else 7.0
 
 
-def _resolve_paths(recipe: TrainRecipe, base: Path) -> None:
-    """Prompt files, data cache and output are relative to the recipe file's directory."""
+def _resolve_paths(
+    recipe: TrainRecipe, base: Path, typed: Collection[tuple[str | int, ...]] = ()
+) -> None:
+    """Prompt files, data cache and output are relative to the recipe file's directory, except
+    those set on the command line (`typed`: the locations `--set` touched), which are relative
+    to the working directory, as a shell user expects."""
 
-    def resolved(path: str) -> str:
+    def resolved(path: str, *loc: str | int) -> str:
         p = Path(path).expanduser()
-        return str(p if p.is_absolute() else (base / p).resolve())
+        here = Path.cwd() if any(loc[: len(t)] == t for t in typed) else base
+        return str(p if p.is_absolute() else (here / p).resolve())
 
-    for spec in [*recipe.data.prompts, *recipe.eval.prompts]:
-        spec.path = resolved(spec.path)
+    for section in ("data", "eval"):
+        for i, spec in enumerate(getattr(recipe, section).prompts):
+            spec.path = resolved(spec.path, section, "prompts", i, "path")
     if recipe.output:
-        recipe.output = resolved(recipe.output)
+        recipe.output = resolved(recipe.output, "output")
     if recipe.data.cache_dir:
-        recipe.data.cache_dir = resolved(recipe.data.cache_dir)
+        recipe.data.cache_dir = resolved(recipe.data.cache_dir, "data", "cache_dir")
     if recipe.train.init_from:
-        recipe.train.init_from = resolved(recipe.train.init_from)
+        recipe.train.init_from = resolved(recipe.train.init_from, "train", "init_from")
 
 
 def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
@@ -279,7 +293,9 @@ def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
                 problems.append(f"{where}: prompt file not found: {spec.path}")
             else:
                 try:
-                    read_prompts(spec)
+                    if not read_prompts(spec):  # data or evaluation of nothing is a slip
+                        within = f" within lines {spec.lines}" if spec.lines else ""
+                        problems.append(f"{where}: no prompts in {spec.path}{within}")
                 except RecipeError as exc:
                     problems.append(f"{where}: {exc}")
     if problems:
@@ -306,29 +322,26 @@ def loads_train_recipe(
         )
     overridden = apply_overrides(data, overrides or [])
     recipe = validate_model(TrainRecipe, data, source, root, overridden, "a training recipe")
-    _resolve_paths(recipe, base or Path.cwd())
+    _resolve_paths(recipe, base or Path.cwd(), overridden)
     check_prompt_files(recipe, source)
     return recipe
 
 
-def check_output(recipe: TrainRecipe, source: str) -> None:
-    """Problems with `output` that export would only find after training: a file there, a
-    folder of other files (export never overwrites those), or `train.init_from` naming it (the
-    export would replace the drafter the run started from). For runs that may export (the
-    CLI's --check, train or export stages); evaluating a drafter found there needs none of it.
-    Whether init_from exists is checked when a fresh run needs it."""
-    from dspark_flow.training.export import DRAFTER_FILES
+def check_output(recipe: TrainRecipe, source: str, replace: bool = False) -> None:
+    """Problems with `output` that export would only find after training: a path it may not
+    write into (`export.refusal`: a file, someone else's files, another recipe's drafter
+    without `replace`), a folder it cannot create or write, or `train.init_from` naming it (the
+    export would replace the drafter the run started from). For runs that may write there (the
+    CLI's --check, the train, export and vocab stages); evaluating a drafter found there needs
+    none of it. Whether init_from exists is checked when a fresh run needs it."""
+    from dspark_flow.files import unwritable
+    from dspark_flow.training.export import refusal
 
     out = recipe.output_dir()
-    if out.exists() and not out.is_dir():
-        raise RecipeError(f"{source}: output {out} is a file; name a directory for the drafter")
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in DRAFTER_FILES)
-        if foreign:
-            raise RecipeError(
-                f"{source}: output {out} holds files that are not a drafter's "
-                f"({', '.join(foreign[:3])}); name a new directory or a drafter's"
-            )
+    if why := refusal(out, recipe.name, replace):
+        raise RecipeError(f"{source}: output {out} {why}; name a new directory")
+    if why := unwritable(out):
+        raise RecipeError(f"{source}: output {out}: {why}")
     start = recipe.train.init_from
     if start and Path(start).resolve() == out.resolve():
         raise RecipeError(

@@ -65,12 +65,14 @@ def run_training(
     command: str | None = None,
     time_limit: float | None = None,
     data_worker: str | None = None,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Run the named stages; returns a summary (also written as train_summary.json).
 
     With `time_limit` (seconds from the start of this call) training pauses at a checkpoint
     once past it, and the later stages wait for a rerun, which resumes where it paused.
-    `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops."""
+    `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops.
+    `replace` lets export replace a drafter another recipe exported in `output`."""
     from dspark_flow.errors import DsparkFlowError
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import load
@@ -83,7 +85,8 @@ def run_training(
         read_json_object,
     )
     from dspark_flow.training.evaluate import evaluate_drafter, format_eval
-    from dspark_flow.training.export import size_mb
+    from dspark_flow.training.export import exported_by, size_mb
+    from dspark_flow.training.recipe import check_output
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
     from dspark_flow.training.warm_start import require_init_from
 
@@ -91,6 +94,8 @@ def run_training(
     worker = DataWorker.parse(data_worker) if data_worker is not None else DataWorker()
     if worker.count > 1 and set(stages) != {"data"}:
         raise DsparkFlowError("a data worker (I/N) runs the data stage only: add --stage data")
+    if {"train", "export", "vocab"} & set(stages):  # before hours of work, not after
+        check_output(recipe, "recipe " + recipe.name, replace)
     summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
     target, tok = load(
         recipe.target.model, training_weight_format(recipe.target.weights), recipe.target.revision
@@ -201,7 +206,7 @@ def run_training(
         # Export replaces the directory: keep the draft vocabulary (recounted below if it can be).
         kept = (out / VOCAB_FILE).read_bytes() if (out / VOCAB_FILE).is_file() else None
         trainer.export(work_dir(recipe) / "float", quantize=None)
-        trainer.export(out)
+        trainer.export(out, replace=replace)
         if kept is not None:
             (out / VOCAB_FILE).write_bytes(kept)
     if "export" in stages or "vocab" in stages:
@@ -253,10 +258,19 @@ def run_training(
     # The output's copy describes the drafter in it: only a call that exported or evaluated
     # it may rewrite it (a paused or data-only call must not relabel older weights).
     # A vocab call records its count with the drafter it belongs to (when there is one).
+    # Only into a drafter this recipe exported: evaluating someone else's drafter (a hub
+    # download, another recipe's) prints its figures and keeps them in the work dir's record.
     recount = "vocab" in stages and (out / "config.json").is_file()
     if out.is_dir() and ("export" in stages or "eval" in stages or recount):
-        (out / SUMMARY).write_text(text)
-        write_card(recipe, out)
+        if exported_by(out) == recipe.name:
+            (out / SUMMARY).write_text(text)
+            write_card(recipe, out)
+        else:
+            log.info(
+                "results recorded in the work dir only: not a drafter this recipe exported",
+                output=str(out),
+                record=str(running),
+            )
     return summary
 
 

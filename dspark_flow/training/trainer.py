@@ -526,8 +526,10 @@ class DrafterTrainer:
         quantize: int | None | str = "recipe",
         dtype: str | None = None,
         extra_files: dict[str, str] | None = None,
+        replace: bool = False,
     ) -> Path:
-        """Write the drafter (the recipe's export settings unless overridden)."""
+        """Write the drafter (the recipe's export settings unless overridden); `replace` lets
+        it replace a drafter another recipe exported."""
         e = self.recipe.export
         bits = e.quantize if quantize == "recipe" else quantize
         return write_drafter(
@@ -538,6 +540,7 @@ class DrafterTrainer:
             group_size=e.group_size,
             dtype=dtype or e.dtype,
             extra_files=extra_files,
+            replace=replace,
         )
 
 
