@@ -170,6 +170,31 @@ def test_loss_falls_checkpoints_round_trip_and_resume_continues(embedded, sample
     assert worst < 1e-5, worst
 
 
+def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, samples, tmp_path):
+    import signal
+
+    model, tok = embedded
+    recipe = small_recipe("dflash", steps=5, checkpoint_every=100)
+    trainer = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path).warm_up(model, tok)
+    step = trainer.train_step
+
+    def step_then_ctrl_c(batch: object) -> dict[str, float]:
+        m = step(batch)
+        if trainer.step == 2:
+            signal.raise_signal(signal.SIGINT)  # as a user's Ctrl-C, mid-run
+        return m
+
+    trainer.train_step = step_then_ctrl_c  # type: ignore[method-assign]
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(samples)
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_0000002"]  # not 100 steps back
+    again = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path).warm_up(model, tok)
+    assert again.resume() and again.step == 2
+    assert again.train(samples).step == 5
+
+
 def test_a_time_limit_pauses_at_a_checkpoint(embedded, samples, tmp_path):
     import time
 

@@ -15,6 +15,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,7 +39,7 @@ from dspark_flow.training.losses import LossWeights, draft_losses
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from dspark_flow.training.data import Sample
 
@@ -70,6 +72,29 @@ def training_weight_format(requested: str) -> str:
     if requested != "auto":
         return requested
     return "float32" if backend_name() == "cpu" else "bfloat16"
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[Callable[[], bool]]:
+    """Within: a first Ctrl-C only raises a flag (the training loop finishes its step, saves a
+    checkpoint and stops there, so a rerun resumes from it instead of from the last regular
+    checkpoint, up to `checkpoint_every` steps back); a second interrupts at once. Outside the
+    main thread, where signals cannot be caught, the flag never rises."""
+    asked = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield asked.is_set
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first(signum: int, frame: Any) -> None:
+        asked.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield asked.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 @dataclass
@@ -374,32 +399,44 @@ class DrafterTrainer:
             disable=not self.progress,
         )
         positions = 0
-        try:
-            while self.step < total:
-                m = self.train_step(samples)
-                positions += t.batch_size * t.anchors_per_seq * self.recipe.drafter.drafts_per_round
-                for k in ("loss", "tau", "acc0"):
-                    ema[k] = m[k] if k not in ema else 0.95 * ema[k] + 0.05 * m[k]
-                if not math.isfinite(m["loss"]):
-                    raise DsparkFlowError(
-                        f"training diverged at step {self.step} (loss {m['loss']}); lower train.lr"
+        with deferred_interrupt() as interrupted:
+            try:
+                while self.step < total:
+                    m = self.train_step(samples)
+                    positions += (
+                        t.batch_size * t.anchors_per_seq * self.recipe.drafter.drafts_per_round
                     )
-                if self.step % t.log_every == 0 or self.step in (total, start + 1):
-                    m["seconds"] = time.perf_counter() - t0
-                    self.history.append(m)
-                    log.info("train", **{k: round(v, 4) for k, v in m.items()})
-                bar.set_postfix(
-                    loss=f"{ema['loss']:.3f}", tau=f"{ema['tau']:.2f}", lr=f"{m['lr']:.1e}"
-                )
-                bar.update(1)
-                past_deadline = deadline is not None and time.perf_counter() > deadline
-                if self.step % t.checkpoint_every == 0 or self.step == total or past_deadline:
-                    self.save_checkpoint()
-                if past_deadline and self.step < total:
-                    log.info("time limit: paused", step=self.step, of=total)
-                    break
-        finally:
-            bar.close()
+                    for k in ("loss", "tau", "acc0"):
+                        ema[k] = m[k] if k not in ema else 0.95 * ema[k] + 0.05 * m[k]
+                    if not math.isfinite(m["loss"]):
+                        raise DsparkFlowError(
+                            f"training diverged at step {self.step} (loss {m['loss']}); lower train.lr"
+                        )
+                    if self.step % t.log_every == 0 or self.step in (total, start + 1):
+                        m["seconds"] = time.perf_counter() - t0
+                        self.history.append(m)
+                        log.info("train", **{k: round(v, 4) for k, v in m.items()})
+                    bar.set_postfix(
+                        loss=f"{ema['loss']:.3f}", tau=f"{ema['tau']:.2f}", lr=f"{m['lr']:.1e}"
+                    )
+                    bar.update(1)
+                    past_deadline = deadline is not None and time.perf_counter() > deadline
+                    stop = interrupted()
+                    if (
+                        self.step % t.checkpoint_every == 0
+                        or self.step == total
+                        or past_deadline
+                        or stop
+                    ):
+                        self.save_checkpoint()
+                    if stop:  # the step ended and is saved: a rerun resumes here
+                        log.info("interrupted: checkpoint saved", step=self.step, of=total)
+                        raise KeyboardInterrupt
+                    if past_deadline and self.step < total:
+                        log.info("time limit: paused", step=self.step, of=total)
+                        break
+            finally:
+                bar.close()
         seconds = time.perf_counter() - t0
         log.info(
             "trained",
