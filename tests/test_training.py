@@ -701,7 +701,12 @@ def test_the_vocab_stage_counts_the_answer_tokens(embedded, tmp_path):
     assert summary["vocab"]["distinct"] == len(ids)
     # No drafter there: nothing claims to describe one. With one, its card gets the count.
     assert not (tmp_path / "drafter" / "README.md").exists()
-    (tmp_path / "drafter" / "config.json").write_text("{}")
+    (tmp_path / "drafter" / "config.json").write_text("{}")  # a drafter someone else made
+    kept = (tmp_path / "drafter" / VOCAB_FILE).read_bytes()
+    with pytest.raises(DsparkFlowError, match="did not export"):
+        run_training(recipe, stages=("vocab",), progress=False)
+    assert (tmp_path / "drafter" / VOCAB_FILE).read_bytes() == kept
+    (tmp_path / "drafter" / "config.json").write_text('{"dspark_flow": {"recipe": "test-vocab"}}')
     run_training(recipe, stages=("vocab",), progress=False)
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert f"among the {len(answers)} answer tokens ({len(ids)} distinct)" in card
