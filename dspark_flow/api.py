@@ -39,13 +39,15 @@ def _model_ref(value: Any, what: str) -> str | None:
     return ref
 
 
-def _check_target(target: Any, where: str) -> None:
-    """A loaded target model (load_target's first value), not its tokenizer or a name."""
+def _check_target(target: Any, where: str, what: str = "target") -> None:
+    """A loaded model (load_target's first value), not its tokenizer or a name."""
     import mlx.nn as nn
 
     if not isinstance(target, nn.Module):
-        hint = " (load it with load_target first)" if isinstance(target, str) else ""
-        raise ConfigError(f"{where}: target is a loaded model, got {type(target).__name__}{hint}")
+        hint = (
+            " (load it with load_target first)" if isinstance(target, str) or target is None else ""
+        )
+        raise ConfigError(f"{where}: {what} is a loaded model, got {type(target).__name__}{hint}")
 
 
 def sampler_section(
@@ -83,7 +85,7 @@ def run_recipe(
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
     on_text: Callable[[str], None] | None = None,
-    chat: bool = True,
+    chat: bool | None = True,
     verifier: dict[str, Any] | None = None,
     objects: dict[str, Any] | None = None,
 ) -> GenResult:
@@ -94,7 +96,6 @@ def run_recipe(
     recipe: dict[str, Any] = {
         "drafter": drafter,
         "sampler": sampler_section(temperature, top_p, top_k, min_p, seed),
-        "prompt": {"chat": chat},
         "stop": [{"kind": "eos"}, {"kind": "max_tokens", "limit": max_new_tokens}],
     }
     if strings := stop_strings(stop):  # checks a stop given as "" too
@@ -104,7 +105,7 @@ def run_recipe(
     if verifier is not None:
         recipe["verifier"] = verifier
     pipeline = Pipeline.from_dict(recipe, target=(target, tokenizer), **(objects or {}))
-    return pipeline.generate(prompt, on_text=on_text)
+    return pipeline.generate(prompt, on_text=on_text, chat=chat)  # checks chat as generate does
 
 
 def _passed_on(
@@ -169,20 +170,22 @@ def draft_model_generate(
     draft: Any,
     prompt: Prompt,
     *,
-    max_draft_tokens: int = 4,
+    max_draft_tokens: int | None = 4,
     **kwargs: Any,
 ) -> GenResult:
-    """Classic speculative decoding with an already loaded draft model sharing the tokenizer."""
+    """Classic speculative decoding with an already loaded draft model sharing the tokenizer
+    (`max_draft_tokens` None: as many as the draft model's own cap)."""
     from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 
     kwargs = _passed_on(draft_model_generate, kwargs, ("drafter", "draft_cap", "objects"))
+    _check_target(draft, "draft_model_generate", "draft")
     drafter = DraftModelDrafter(DraftModelConfig(model="<in memory>"), model=draft)
     return run_recipe(
         target,
         tokenizer,
         prompt,
         drafter={"kind": "draft_model", "model": "<in memory>"},
-        draft_cap={"kind": "fixed", "k": max_draft_tokens},
+        draft_cap=_cap_section(None, max_draft_tokens)[0],
         objects={"drafter": drafter},
         **kwargs,
     )
@@ -352,6 +355,8 @@ def load_dflash_pair(
     drafter table (its target is loaded too), or a target (its DFlash drafter is looked up)."""
     from dspark_flow.models.drafter_loading import resolve_target
 
+    if isinstance(repo, os.PathLike):  # a local folder, as load_pair takes
+        repo = os.fspath(repo)
     if not isinstance(repo, str) or not repo.strip():
         raise ConfigError(f"load_dflash_pair: expected a drafter or target name, got {repo!r}")
     entry = resolve_target(repo)
@@ -362,8 +367,10 @@ def load_dflash_pair(
             f"{repo} is a {entry['kind']} drafter, not a DFlash one; use load_pair(target, {repo!r})"
         )
     # A table entry names the target it was trained for (`targets`); an example target, where
-    # given, is the checkpoint to load for it (a hub target names its family, not one file).
-    target = entry.get("example_target") or next(iter(entry.get("targets") or []), None)
+    # given, is the checkpoint to load for it (a hub target names its family, not one file):
+    # a family name such as 'qwen3-8b' is a lookup key, no repo to load.
+    loadable = [t for t in entry.get("targets") or [] if t.startswith("builtin:") or "/" in t]
+    target = entry.get("example_target") or next(iter(loadable), None)
     if not target:
         raise ConfigError(f"{repo} names no target; use load_pair(target, {repo!r})")
     return load_pair(

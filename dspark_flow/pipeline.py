@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from numbers import Integral
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
         raise ConfigError(f"stop: expected a string or a list of strings, got {stop!r}")
     if any(not s for s in strings):  # "" would match everywhere; it used to be dropped silently
         raise ConfigError("stop strings must not be empty")
+    for i, s in enumerate(strings):  # a lone surrogate could never match decoded text
+        check_text(s, f"stop strings[{i}]")
     return strings
 
 
@@ -89,10 +91,12 @@ def _check_prompt(prompt: Any) -> list[int] | None:
         )
     if not prompt:
         raise PromptError("the prompt is empty")
-    if any(_is_id(t) for t in prompt):  # token ids: name the first item that is not one
+    if any(_is_id(t) or isinstance(t, Real) for t in prompt):  # token ids (or meant as such)
         for i, t in enumerate(prompt):
             if not _is_id(t):
-                raise PromptError(f"token id list: prompt[{i}] is {type(t).__name__}")
+                raise PromptError(
+                    f"token id list: prompt[{i}] is {type(t).__name__}, not an integer id"
+                )
         return [int(t) for t in prompt]
     for i, m in enumerate(prompt):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m):
@@ -231,7 +235,18 @@ class Pipeline:
             messages.append({"role": "user", "content": prompt})
         else:
             messages = [dict(m) for m in prompt]
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+            if not getattr(tok, "has_chat_template", False):
+                raise PromptError(
+                    "this model has no chat template: give the prompt as text or token ids, "
+                    "not chat messages"
+                )
+        try:
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception as exc:  # the template is the model's Jinja code; its failure is data
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PromptError(
+                f"the model's chat template failed on these messages: {first}"
+            ) from exc
 
     @property
     def vocab_size(self) -> int:

@@ -514,3 +514,59 @@ def test_a_drafter_config_with_a_malformed_value_is_a_model_error(tmp_path):
     (bad / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelError, match="is not a JSON object"):
         read_spec(bad)
+
+
+def test_the_api_names_what_is_wrong_with_messages_drafts_recipes_and_long_prompts(embedded):
+    from dspark_flow import (
+        Pipeline,
+        draft_model_generate,
+        greedy_generate,
+        load_dflash_pair,
+        load_target,
+    )
+    from dspark_flow.errors import RecipeError
+    from tests.tiny import tiny_model
+
+    model, tok = embedded
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]  # a list of parts
+    with pytest.raises(PromptError, match="the model's chat template failed on these messages"):
+        greedy_generate(model, tok, parts, max_new_tokens=2)
+    with pytest.raises(PromptError, match=r"stop strings\[1\] is not valid UTF-8"):
+        greedy_generate(model, tok, "hi", max_new_tokens=2, stop=["ok", "\udcff"])
+    for draft in (None, "builtin:smollm2-135m", tok):
+        with pytest.raises(ConfigError, match="draft_model_generate: draft is a loaded model"):
+            draft_model_generate(model, tok, draft, "hi", max_new_tokens=2)
+    plain = greedy_generate(model, tok, "Say hi", max_new_tokens=6).token_ids
+    full = draft_model_generate(
+        model, tok, model, "Say hi", max_new_tokens=6, max_draft_tokens=None
+    )
+    assert full.token_ids == plain  # None: the draft model's own cap, as speculative_generate's
+    for args, kwargs, why in [
+        ((None,), {}, "recipe: expected a file path, got NoneType"),
+        (("recipes/lookup.yaml", [5]), {}, "overrides: expected 'path=value' strings"),
+        (("recipes/lookup.yaml",), {"defaults": {"verifier": "x"}}, "defaults: expected recipe"),
+    ]:
+        with pytest.raises(RecipeError, match=why):
+            Pipeline.from_yaml(*args, **kwargs)
+    # A table entry naming only a target family ('qwen3-8b') has no repo to load: say so
+    # instead of looking a made-up id up on the hub.
+    with pytest.raises(ConfigError, match="names no target; use load_pair"):
+        load_dflash_pair("z-lab/Qwen3-4B-DFlash-b16")
+    with pytest.raises(PromptError, match=r"prompt\[0\] is float, not an integer id"):
+        greedy_generate(model, tok, [1.0, 2.0], max_new_tokens=2)
+    with pytest.raises(ConfigError, match="chat is True, False or None, got 'no'"):
+        greedy_generate(model, tok, "hi", max_new_tokens=2, chat="no")  # type: ignore[arg-type]
+    assert greedy_generate(model, tok, "hi", max_new_tokens=2, chat=None).num_tokens >= 1
+    with pytest.raises(
+        ModelError, match="revision: expected a branch, tag or commit name, got int"
+    ):
+        load_target("someone/model", revision=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="no dflash drafter is known for /nonexistent/x"):
+        load_dflash_pair(Path("/nonexistent/x"))  # a path is a name, as load_pair takes it
+    # A prompt that fills the model's context is refused, as the server does, not run past it.
+    short = tiny_model(seed=1)
+    short.args.max_position_embeddings = 16
+    with pytest.raises(
+        PromptError, match="the prompt has 20 tokens; this model's context holds 16"
+    ):
+        greedy_generate(short, tok, list(range(20)), max_new_tokens=2)

@@ -146,11 +146,16 @@ def decode(
     t0 = started if started is not None else time.perf_counter()
     if not prompt_ids:
         raise PromptError("the prompt is empty")
+    limit = context_limit(c.model)
+    if limit is not None and len(prompt_ids) >= limit:  # as the server's context_length_exceeded
+        raise PromptError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context holds {limit}"
+        )
     pending: list[str] = []
     stream = TextStream(c.tokenizer, c.stops, pending.append if stream_text else None)
     budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)
     context_end = None
-    if budget is None and (limit := context_limit(c.model)) is not None:
+    if budget is None and limit is not None:
         # No rule bounds the output (a recipe without max_tokens): stop where the model's
         # trained context ends rather than run on until memory does.
         budget = context_end = max(1, limit - len(prompt_ids))

@@ -149,6 +149,10 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
         raise ModelError(
             "the model name is empty: name builtin:smollm2-135m, a hub repo id or a local directory"
         )
+    if revision is not None and not isinstance(revision, str):
+        raise ModelError(
+            f"revision: expected a branch, tag or commit name, got {type(revision).__name__}"
+        )
     if ref.startswith(BUILTIN_PREFIX):
         if revision is not None:  # it used to be ignored: the user believed it pinned something
             raise ModelError(

@@ -7,6 +7,7 @@ YAML node the problem is about (pydantic's `loc` walked through `yaml.compose`'s
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,6 +114,8 @@ def apply_overrides(
     touched: dict[Loc, str] = {}
     if isinstance(overrides, str):  # one override given bare (Python callers)
         overrides = [overrides]
+    if not isinstance(overrides, list | tuple) or not all(isinstance(o, str) for o in overrides):
+        raise RecipeError(f"overrides: expected 'path=value' strings, got {overrides!r}")
     for text in overrides:
         path, value = parse_override(text)
         slot = data.get(path[0]) if len(path) == 2 and path[0] in filled else None
@@ -274,6 +277,8 @@ def load_recipe(
 
 def read_recipe_text(path: str | Path, what: str = "recipe") -> str:
     """The file's text; a missing or unreadable file is one RecipeError line."""
+    if not isinstance(path, str | os.PathLike):
+        raise RecipeError(f"{what}: expected a file path, got {type(path).__name__}")
     try:
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -305,6 +310,10 @@ def loads_recipe(
     if data is None:  # an empty or all-comment file is a mistake far more often than a choice
         raise RecipeError(f"{source}: the recipe is empty (write {{}} to take every default)")
     overridden: dict[Loc, str] = {}
+    if defaults is not None and not (
+        isinstance(defaults, dict) and all(isinstance(v, dict | list) for v in defaults.values())
+    ):
+        raise RecipeError(f"defaults: expected recipe sections by slot, got {defaults!r}")
     if isinstance(data, dict):
         filled = frozenset(  # mapping sections only: a list slot (stop) is the user's whole
             slot
