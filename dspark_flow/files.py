@@ -8,6 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+# The process's umask, read once at import (reading it means setting it: not thread-safe later).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object], durable: bool = False) -> Path:
     """Write `path` through a temporary file beside it and a rename.
@@ -15,8 +19,9 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], durable: bool
     A reader, or another process writing the same file, sees the old file or the new one, never
     half of either; a failed write leaves the old file whole and no temporary behind (the
     temporary is `.<name>.<random>.tmp`, so a folder's `*.tmp` sweep also finds one a killed
-    process left). `durable` syncs the data to disk before the rename, for caches and datasets
-    that should outlive a power cut, at the price of a disk flush."""
+    process left). The file gets the permissions a plain `open` would give (mkstemp's are
+    private). `durable` syncs the data, and then the rename, to disk, for caches and datasets
+    that should outlive a power cut, at the price of disk flushes."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -25,12 +30,28 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], durable: bool
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the file private to this user
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _sync_folder(path.parent)
     return path
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename) to disk where the system allows it (POSIX)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(text: str, path: Path, durable: bool = False) -> Path:

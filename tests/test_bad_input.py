@@ -454,11 +454,10 @@ def test_train_output_set_on_the_command_line_is_relative_to_the_working_dir(tmp
     monkeypatch.chdir(work)
     in_file = load_train_recipe(path)
     assert Path(in_file.output) == tmp_path / "recipes" / "out" / "from-file"  # the file's dir
-    typed = load_train_recipe(
-        path, ["output=out/typed", f"data.prompts.0.path={path.parent}/p.jsonl"]
-    )
+    (work / "q.jsonl").write_text('{"turns": ["hi"]}\n')
+    typed = load_train_recipe(path, ["output=out/typed", "data.prompts.0.path=q.jsonl"])
     assert Path(typed.output) == work / "out" / "typed"  # where the user typed it
-    assert Path(typed.data.prompts[0].path) == tmp_path / "recipes" / "p.jsonl"
+    assert Path(typed.data.prompts[0].path) == work / "q.jsonl"
 
 
 def test_a_data_cache_folder_of_the_users_is_refused_before_anything_is_cleared(tmp_path):

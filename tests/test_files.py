@@ -17,7 +17,10 @@ def test_a_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path: Path)
     write_text_atomic("néw\n", path, durable=True)
     assert path.read_text(encoding="utf-8") == "néw\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's private 0600
+    plain = tmp_path / "plain"
+    plain.write_text("x")  # what open() gives under this process's umask
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    plain.unlink()
 
 
 def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path: Path) -> None:

@@ -195,6 +195,27 @@ def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, sampl
     assert again.train(samples).step == 5
 
 
+def test_the_interrupt_guard_leaves_ignored_sigint_alone_and_stops_after_a_late_ctrl_c():
+    import signal
+
+    from dspark_flow.training.trainer import deferred_interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a script's background job
+        with deferred_interrupt() as asked:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            assert not asked()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    # Asked after the loop's last look: the block still ends in the interrupt.
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt() as asked:
+        signal.raise_signal(signal.SIGINT)
+        assert asked()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_a_time_limit_pauses_at_a_checkpoint(embedded, samples, tmp_path):
     import time
 
@@ -239,6 +260,8 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         judged = run_training(theirs, stages=("eval",), progress=False)
         assert judged["eval"]["shipped"] and (foreign / "README.md").read_text() == "theirs"
         assert json.loads((foreign / "train_summary.json").read_text()).get("eval") is None
+        own_record = json.loads((work_dir(recipe) / "train_summary.json").read_text())
+        assert "eval" not in own_record  # nor does this recipe's record take its figures
         with pytest.raises(DsparkFlowError, match="recipe 'someone-else' exported"):
             run_training(theirs, stages=("export",), progress=False)
         assert (foreign / "README.md").read_text() == "theirs"
@@ -504,6 +527,10 @@ def test_export_never_replaces_a_directory_that_is_not_a_drafter(embedded, tmp_p
     assert (card / "README.md").read_text() == "mine"
     out = trainer.export(tmp_path / "d")
     assert trainer.export(out) == out  # this recipe's own drafter is replaced
+    (out / "notes.txt").write_text("mine")  # ...but not with a user's file put inside it
+    with pytest.raises(DsparkFlowError, match=r"did not export \(notes.txt\)"):
+        trainer.export(out)
+    assert (out / "notes.txt").read_text() == "mine"
     assert out.stat().st_mode & 0o005 == 0o005  # readable by others, not 0700 like mkdtemp
 
 

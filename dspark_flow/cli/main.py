@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except MemoryError as exc:  # a user's setting asked for too much, rarely our bug
         print(
-            f"error: out of memory ({exc or 'MemoryError'}): try a smaller model, batch, "
+            f"error: out of memory ({str(exc) or 'MemoryError'}): try a smaller model, batch, "
             "max_tokens or training setting",
             file=sys.stderr,
         )

@@ -530,14 +530,17 @@ def check_cache_folder(cache: Path) -> None:
         if cache.exists():
             raise DsparkFlowError(f"data cache {cache} is a file; name a folder in data.cache_dir")
         return
-    foreign = sorted(p.name for p in cache.iterdir() if not _OURS.fullmatch(p.name))
+    foreign = sorted(
+        p.name for p in cache.iterdir() if not _OURS.fullmatch(p.name) and p.name != ".DS_Store"
+    )
     manifest = cache / MANIFEST
     if manifest.is_file() and not isinstance(read_json_object(manifest).get("key"), str):
         foreign.insert(0, MANIFEST)  # a manifest.json, but not one of ours
     if foreign:
         raise DsparkFlowError(
             f"data cache {cache} holds files the data stage did not write "
-            f"({', '.join(foreign[:3])}); name a new or empty folder in data.cache_dir"
+            f"({', '.join(foreign[:3])}): move them, or name a new or empty folder in "
+            "data.cache_dir"
         )
 
 

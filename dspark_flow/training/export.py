@@ -22,6 +22,10 @@ from dspark_flow.models.drafter_loading import quantizable
 from dspark_flow.training.recipe import TrainRecipe
 
 WEIGHTS = "model.safetensors"
+# What an exported drafter folder holds: export replaces the folder whole, so anything else in
+# it (a user's notes, a report) makes the folder not ours to replace.
+DRAFTER_FILES = {WEIGHTS, "config.json", "README.md", "train_summary.json", VOCAB_FILE}
+IGNORED_FILES = {".DS_Store"}  # what a file browser adds (macOS Finder)
 
 
 def exported_by(out: Path) -> str | None:
@@ -41,19 +45,20 @@ def refusal(out: Path, recipe_name: str, replace: bool = False) -> str | None:
 
     It may write into a new or empty folder, one holding only a draft vocabulary (its own vocab
     stage's), or a drafter it exported itself; a drafter another recipe exported only with
-    `replace`; never into anything else (a hub drafter, a folder of notes): a user's files are
-    not deleted to make room."""
+    `replace`; never into anything else (a hub drafter, a folder of notes, a drafter folder
+    with a user's file added): a user's files are not deleted to make room."""
     out = Path(out)
     if not out.exists():
         return None
     if not out.is_dir():
         return "is a file"
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir() if p.name not in IGNORED_FILES)
     if not names or names == [VOCAB_FILE]:
         return None
     owner = exported_by(out)
-    if owner is None:
-        return f"holds files this tool did not export ({', '.join(names[:3])})"
+    foreign = [name for name in names if name not in DRAFTER_FILES]
+    if owner is None or foreign:
+        return f"holds files this tool did not export ({', '.join((foreign or names)[:3])})"
     if owner != recipe_name and not replace:
         return f"holds the drafter that recipe '{owner}' exported (--replace replaces it)"
     return None

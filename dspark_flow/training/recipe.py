@@ -340,7 +340,8 @@ def check_output(recipe: TrainRecipe, source: str, replace: bool = False) -> Non
     out = recipe.output_dir()
     if why := refusal(out, recipe.name, replace):
         raise RecipeError(f"{source}: output {out} {why}; name a new directory")
-    if why := unwritable(out):
+    # Export writes beside the folder and renames it into place: both must be writable.
+    if why := unwritable(out) or unwritable(out.absolute().parent):
         raise RecipeError(f"{source}: output {out}: {why}")
     start = recipe.train.init_from
     if start and Path(start).resolve() == out.resolve():

@@ -250,6 +250,12 @@ def run_training(
     running_text = json.dumps({**(own_running or previous), **summary}, indent=2) + "\n"
     summary = {**previous, **summary}
     text = json.dumps(summary, indent=2) + "\n"
+    # Someone else's drafter evaluated (a hub download, another recipe's; the stages that
+    # write into `output` refuse one): its figures are printed and returned, and neither its
+    # card nor this recipe's records take them.
+    if not producing and (out / "config.json").is_file() and exported_by(out) != recipe.name:
+        log.info("results not recorded: not a drafter this recipe exported", output=str(out))
+        return summary
     try:
         running.parent.mkdir(parents=True, exist_ok=True)
         running.write_text(running_text)
@@ -258,19 +264,10 @@ def run_training(
     # The output's copy describes the drafter in it: only a call that exported or evaluated
     # it may rewrite it (a paused or data-only call must not relabel older weights).
     # A vocab call records its count with the drafter it belongs to (when there is one).
-    # Only into a drafter this recipe exported: evaluating someone else's drafter (a hub
-    # download, another recipe's) prints its figures and keeps them in the work dir's record.
     recount = "vocab" in stages and (out / "config.json").is_file()
     if out.is_dir() and ("export" in stages or "eval" in stages or recount):
-        if exported_by(out) == recipe.name:
-            (out / SUMMARY).write_text(text)
-            write_card(recipe, out)
-        else:
-            log.info(
-                "results recorded in the work dir only: not a drafter this recipe exported",
-                output=str(out),
-                record=str(running),
-            )
+        (out / SUMMARY).write_text(text)
+        write_card(recipe, out)
     return summary
 
 

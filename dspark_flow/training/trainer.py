@@ -79,12 +79,18 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
     """Within: a first Ctrl-C only raises a flag (the training loop finishes its step, saves a
     checkpoint and stops there, so a rerun resumes from it instead of from the last regular
     checkpoint, up to `checkpoint_every` steps back); a second interrupts at once. Outside the
-    main thread, where signals cannot be caught, the flag never rises."""
+    main thread, where signals cannot be caught, or where SIGINT is ignored (a background job of
+    a script), the flag never rises. A Ctrl-C after the loop's last look still stops the run
+    when the block ends."""
     asked = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    previous = (
+        signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread()
+        else signal.SIG_IGN
+    )
+    if previous is signal.SIG_IGN:
         yield asked.is_set
         return
-    previous = signal.getsignal(signal.SIGINT)
 
     def first(signum: int, frame: Any) -> None:
         asked.set()
@@ -95,6 +101,8 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
         yield asked.is_set
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if asked.is_set():  # asked after the last look (the block's own raise skips this)
+        raise KeyboardInterrupt
 
 
 @dataclass
@@ -473,6 +481,9 @@ class DrafterTrainer:
         except (OSError, RuntimeError) as e:  # disk full, permissions (mlx raises RuntimeError)
             shutil.rmtree(tmp, ignore_errors=True)
             raise DsparkFlowError(f"cannot write checkpoint {final}: {e}") from e
+        except BaseException:  # a second Ctrl-C mid-save: no half checkpoint left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         for old in sorted(self.checkpoints.glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         return final
