@@ -302,6 +302,36 @@ def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatc
     assert "--warmup-trials 1" in data["meta"]["command"]
 
 
+def test_ctrl_c_mid_bench_reports_the_prompts_every_mode_finished(tmp_path, monkeypatch, capsys):
+    from dspark_flow.bench import runner
+
+    calls: list[int] = []
+    real = runner.measure
+
+    def ctrl_c_at_the_sixth(mode, group, ids, max_tokens):  # noqa: ANN001
+        calls.append(max_tokens)
+        if len(calls) == 6:  # 2 warm-ups, prompt 1's 2 modes, prompt 2's first mode, then this
+            raise KeyboardInterrupt
+        return real(mode, group, ids, max_tokens)
+
+    monkeypatch.setattr(runner, "measure", ctrl_c_at_the_sixth)
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("Repeat this: the cat sat on the mat.\nSay hello.\n")
+    out = tmp_path / "out"
+    argv = ["bench", str(RECIPES / "lookup.yaml"), "--prompts", str(prompts), "--trials", "2"]
+    argv += ["--warmup-trials", "0", "--max-tokens", "8", "--no-plots", "--no-mlx-lm"]
+    assert main([*argv, "--out", str(out), "--quiet"]) == 130  # as any Ctrl-C
+    assert "interrupted: stopped by the user after 1 of 4 prompt runs" in capsys.readouterr().err
+    data = json.loads((out / "bench.json").read_text())
+    assert sorted(r["mode"] for r in data["runs"]) == ["greedy", "lookup"]
+    assert len({r["prompt_id"] for r in data["runs"]}) == 1  # the half-run prompt is dropped
+    assert {s["mode"] for s in data["summary"]} == {"greedy", "lookup"}
+    assert "- interrupted: `stopped by the user" in (out / "bench.md").read_text()
+    # Rendered again later, it is a partial report, not a new interruption.
+    again = tmp_path / "again"
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--out", str(again)]) == 0
+
+
 @pytest.mark.slow
 def test_equality_check_catches_a_broken_verifier(embedded, tmp_path):
     """A sampler whose verify accepts every draft, fed junk drafts: output differs from greedy and

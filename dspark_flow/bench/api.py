@@ -27,6 +27,15 @@ class BenchOutcome:
         return self.data.get("mismatches", [])
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a bench's trials: still a KeyboardInterrupt, carrying the report of the
+    prompts every mode finished (written out first when the bench was given a folder)."""
+
+    def __init__(self, outcome: BenchOutcome):
+        super().__init__("bench interrupted")
+        self.outcome = outcome
+
+
 def write_outputs(
     data: dict[str, Any], out_dir: Path, plots: bool = True, whole_or_nothing: bool = False
 ) -> BenchOutcome:
@@ -131,6 +140,14 @@ def bench(
         "modes": [f"{m.name} ({g.label})" for g in groups for m in g.modes],
     }
     data["meta"]["load_avg_end"] = load_avg()
-    if out_dir is None:
-        return BenchOutcome(data)
-    return write_outputs(data, Path(out_dir), plots)
+    if results.get("interrupted"):  # Ctrl-C: the prompts finished so far, said so everywhere
+        done = len({(r["prompt_id"], r["trial"]) for r in results["runs"]})
+        data["meta"]["interrupted"] = (
+            f"stopped by the user after {done} of {cfg.trials * len(items)} prompt runs; "
+            "no verify cost curve"
+        )
+    outcome = BenchOutcome(data) if out_dir is None else write_outputs(data, Path(out_dir), plots)
+    if results.get("interrupted"):
+        outcome.notes.append(f"interrupted: {data['meta']['interrupted']}")
+        raise BenchInterrupted(outcome)
+    return outcome

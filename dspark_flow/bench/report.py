@@ -207,7 +207,8 @@ def mismatch_lines(mismatches: list[dict[str, Any]]) -> list[str]:
 def render_markdown(data: dict[str, Any]) -> str:
     meta = data["meta"]
     lines = ["# dspark-flow bench", ""]
-    keys = ("date", "command", "machine", "cpu", "device", "backend", "blas", "weight_format")
+    keys = ("interrupted", "date", "command", "machine", "cpu", "device", "backend", "blas")
+    keys += ("weight_format",)
     keys += ("load_avg_start", "load_avg_end")
     keys += ("mlx_version", "mlx_lm_version", "dspark_flow_version")
     lines += [f"- {k}: `{meta[k]}`" for k in keys if meta.get(k) is not None]

@@ -239,6 +239,37 @@ def run_bench(
 
     runs: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
+    try:
+        _trials(prompts, cfg, pairs, ids, runs, mismatches, say)
+    except KeyboardInterrupt:
+        # Ctrl-C: keep every prompt all modes finished (so the modes compare on the same
+        # prompts), drop the one in progress, and let the caller report what was measured.
+        finished = len(runs) - len(runs) % len(pairs)
+        del runs[finished:]
+        if not runs:
+            raise
+        say(f"interrupted: reporting the {finished // len(pairs)} prompt runs finished")
+        return {"runs": runs, "mismatches": mismatches, "verify_cost": [], "interrupted": True}
+
+    curves: list[dict[str, Any]] = []
+    if cfg.verify_cost:
+        for group in groups:
+            say(f"verify cost curve for {group.label}")
+            curves += verify_cost_curve(group, cfg)
+    return {"runs": runs, "mismatches": mismatches, "verify_cost": curves}
+
+
+def _trials(
+    prompts: list[BenchPrompt],
+    cfg: BenchConfig,
+    pairs: list[tuple[TargetGroup, Mode]],
+    ids: dict[tuple[str, str], list[int]],
+    runs: list[dict[str, Any]],
+    mismatches: list[dict[str, Any]],
+    say: Progress,
+) -> None:
+    """The timed trials of `run_bench`, appending to `runs` and `mismatches` as they go (one
+    prompt's runs of every mode at a time)."""
     total, done = cfg.trials * len(prompts) * len(pairs), 0
     for trial in range(cfg.trials):
         shift = trial % len(pairs)
@@ -290,10 +321,3 @@ def run_bench(
                 rec["matches_greedy"] = at is None
                 if at is not None:
                     mismatches.append(_mismatch(group, mode, prompt, trial, at, expected, got))
-
-    curves: list[dict[str, Any]] = []
-    if cfg.verify_cost:
-        for group in groups:
-            say(f"verify cost curve for {group.label}")
-            curves += verify_cost_curve(group, cfg)
-    return {"runs": runs, "mismatches": mismatches, "verify_cost": curves}

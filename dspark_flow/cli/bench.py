@@ -132,10 +132,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out: Path) -> int:
-    from dspark_flow.bench.api import MISMATCH_EXIT, bench, write_outputs
+    from dspark_flow.bench.api import MISMATCH_EXIT, BenchInterrupted, bench, write_outputs
     from dspark_flow.bench.runner import BenchConfig
     from dspark_flow.errors import DsparkFlowError
 
+    interrupted = False
     if args.from_json:
         from dspark_flow.bench.report import load_json
 
@@ -172,19 +173,22 @@ def _run(args: argparse.Namespace, out: Path) -> int:
         def progress(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
-        outcome = bench(
-            args.recipes,
-            args.prompts,
-            config=cfg,
-            limit=args.limit,
-            categories=args.categories,
-            overrides=args.overrides,
-            mlx_lm=not args.no_mlx_lm,
-            out_dir=out,
-            plots=not args.no_plots,
-            command=_command(args),
-            progress=None if args.quiet else progress,
-        )
+        try:
+            outcome = bench(
+                args.recipes,
+                args.prompts,
+                config=cfg,
+                limit=args.limit,
+                categories=args.categories,
+                overrides=args.overrides,
+                mlx_lm=not args.no_mlx_lm,
+                out_dir=out,
+                plots=not args.no_plots,
+                command=_command(args),
+                progress=None if args.quiet else progress,
+            )
+        except BenchInterrupted as stop:  # Ctrl-C: show and keep what was measured
+            outcome, interrupted = stop.outcome, True
     from dspark_flow.bench.report import summary_table
 
     print("\n".join(summary_table(outcome.data["summary"])))
@@ -199,5 +203,6 @@ def _run(args: argparse.Namespace, out: Path) -> int:
             "(see the mismatches in bench.json / bench.md)",
             file=sys.stderr,
         )
-        return MISMATCH_EXIT
-    return 0
+    if interrupted:
+        return 130  # as any Ctrl-C (the report above is partial, and says so)
+    return MISMATCH_EXIT if outcome.mismatches else 0
