@@ -186,8 +186,8 @@ def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, sampl
 
     trainer.train_step = step_then_ctrl_c  # type: ignore[method-assign]
     before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.train(samples)
+    result = trainer.train(samples)  # stops as a pause does; run_training records, then raises
+    assert result.interrupted and result.paused and result.step == 2
     assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
     assert [p.name for p in tmp_path.glob("step_*")] == ["step_0000002"]  # not 100 steps back
     again = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path).warm_up(model, tok)
@@ -206,13 +206,13 @@ def test_the_interrupt_guard_leaves_ignored_sigint_alone_and_stops_after_a_late_
         with deferred_interrupt() as asked:
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             signal.raise_signal(signal.SIGINT)
-            assert not asked()
+            assert not asked.is_set()
     finally:
         signal.signal(signal.SIGINT, before)
     # Asked after the loop's last look: the block still ends in the interrupt.
     with pytest.raises(KeyboardInterrupt), deferred_interrupt() as asked:
         signal.raise_signal(signal.SIGINT)
-        assert asked()
+        assert asked.is_set()
     assert signal.getsignal(signal.SIGINT) is before
 
 
@@ -290,6 +290,38 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         assert "calls" in third["train"] and third["train"]["calls"] == 1
         shipped = json.loads(card.read_text())
         assert shipped["exported_step"] == 3 and shipped["train"]["calls"] == 2
+    finally:
+        shutil.rmtree(work_dir(recipe), ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_training_run_records_the_call_and_skips_export(embedded, tmp_path):
+    import json
+    import signal
+
+    from dspark_flow.training import trainer as trainer_module
+    from dspark_flow.training.run import run_training
+    from dspark_flow.training.trainer import work_dir
+
+    recipe = TrainRecipe.model_validate(run_spec(tmp_path, "ctrl-c", steps=3, new_tokens=16))
+    step = trainer_module.DrafterTrainer.train_step
+
+    def step_then_ctrl_c(self, batch):  # noqa: ANN001, ANN202
+        m = step(self, batch)
+        if self.step == 1:
+            signal.raise_signal(signal.SIGINT)
+        return m
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(trainer_module.DrafterTrainer, "train_step", step_then_ctrl_c)
+            with pytest.raises(KeyboardInterrupt):
+                run_training(recipe, stages=("data", "train", "export"), progress=False)
+        record = json.loads((work_dir(recipe) / "train_summary.json").read_text())
+        assert record["train"]["steps"] == 1 and record["train"]["paused"]
+        assert not (tmp_path / "drafter").exists()  # export waits for the run that finishes
+        done = run_training(recipe, stages=("data", "train", "export"), progress=False)
+        assert done["train"]["steps"] == 3 and done["train"]["calls"] == 2
     finally:
         shutil.rmtree(work_dir(recipe), ignore_errors=True)
 

@@ -152,6 +152,7 @@ def run_training(
         if complete_before and same:
             summary["data"] = before  # the run that generated the data keeps its figures
         log.info("data ready", **summary["data"])
+    interrupted = False
     if "train" in stages:
         trainer.warm_up(target, tok)
         if not fresh and trainer.resume():
@@ -166,6 +167,7 @@ def run_training(
         t0 = time.perf_counter()
         deadline = t_start + time_limit if time_limit is not None else None
         result = trainer.train(samples, deadline=deadline)
+        interrupted = result.interrupted  # by Ctrl-C: recorded below, then raised
         summary["train"] = {
             "steps": result.step,
             "paused": result.paused,
@@ -191,14 +193,15 @@ def run_training(
                     before.get("seconds", 0.0) + summary["train"]["seconds"], 1
                 )
                 summary["train"]["calls"] = before.get("calls", 1) + 1
-    if summary.get("train", {}).get("paused"):
+    if summary.get("train", {}).get("paused") or interrupted:
         log.info(
-            "training paused by the time limit: run the same command again to resume"
-            + (" (without --fresh)" if fresh else ""),
+            f"training {'interrupted' if interrupted else 'paused by the time limit'}: run the "
+            "same command again to resume" + (" (without --fresh)" if fresh else ""),
             step=summary["train"]["steps"],
             of=recipe.train.steps,
         )
-        stages = tuple(s for s in stages if s not in ("export", "eval"))
+        later = ("export", "eval", "vocab") if interrupted else ("export", "eval")
+        stages = tuple(s for s in stages if s not in later)
     if "export" in stages:
         if trainer.model is None:
             trainer.warm_up(target, tok)
@@ -268,6 +271,8 @@ def run_training(
     if out.is_dir() and ("export" in stages or "eval" in stages or recount):
         (out / SUMMARY).write_text(text)
         write_card(recipe, out)
+    if interrupted:  # Ctrl-C: the step, its checkpoint and this call's record are saved
+        raise KeyboardInterrupt
     return summary
 
 

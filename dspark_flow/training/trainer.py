@@ -39,7 +39,7 @@ from dspark_flow.training.losses import LossWeights, draft_losses
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
     from dspark_flow.training.data import Sample
 
@@ -75,13 +75,13 @@ def training_weight_format(requested: str) -> str:
 
 
 @contextlib.contextmanager
-def deferred_interrupt() -> Iterator[Callable[[], bool]]:
-    """Within: a first Ctrl-C only raises a flag (the training loop finishes its step, saves a
-    checkpoint and stops there, so a rerun resumes from it instead of from the last regular
-    checkpoint, up to `checkpoint_every` steps back); a second interrupts at once. Outside the
-    main thread, where signals cannot be caught, or where SIGINT is ignored (a background job of
-    a script), the flag never rises. A Ctrl-C after the loop's last look still stops the run
-    when the block ends."""
+def deferred_interrupt() -> Iterator[threading.Event]:
+    """Within: a first Ctrl-C only sets the flag yielded (the training loop finishes its step,
+    saves a checkpoint, clears the flag and stops there, so a rerun resumes from it instead of
+    from the last regular checkpoint, up to `checkpoint_every` steps back); a second interrupts
+    at once. Outside the main thread, where signals cannot be caught, or where SIGINT is
+    ignored (a background job of a script), the flag never rises. A flag still set when the
+    block ends (a Ctrl-C after the loop's last look) raises KeyboardInterrupt there."""
     asked = threading.Event()
     previous = (
         signal.getsignal(signal.SIGINT)
@@ -89,7 +89,7 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
         else signal.SIG_IGN
     )
     if previous is signal.SIG_IGN:
-        yield asked.is_set
+        yield asked
         return
 
     def first(signum: int, frame: Any) -> None:
@@ -98,10 +98,10 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
 
     signal.signal(signal.SIGINT, first)
     try:
-        yield asked.is_set
+        yield asked
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if asked.is_set():  # asked after the last look (the block's own raise skips this)
+    if asked.is_set():  # asked after the loop's last look
         raise KeyboardInterrupt
 
 
@@ -111,10 +111,11 @@ class TrainResult:
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
     total: int = 0  # the steps asked for
+    interrupted: bool = False  # stopped by Ctrl-C (at a checkpoint, as a pause)
 
     @property
     def paused(self) -> bool:
-        """Stopped by a time limit before the last step."""
+        """Stopped by a time limit or Ctrl-C before the last step."""
         return self.step < self.total
 
     @property
@@ -406,7 +407,7 @@ class DrafterTrainer:
             unit="step",
             disable=not self.progress,
         )
-        positions = 0
+        positions, stop = 0, False
         with deferred_interrupt() as interrupted:
             try:
                 while self.step < total:
@@ -429,7 +430,7 @@ class DrafterTrainer:
                     )
                     bar.update(1)
                     past_deadline = deadline is not None and time.perf_counter() > deadline
-                    stop = interrupted()
+                    stop = interrupted.is_set()
                     if (
                         self.step % t.checkpoint_every == 0
                         or self.step == total
@@ -439,7 +440,8 @@ class DrafterTrainer:
                         self.save_checkpoint()
                     if stop:  # the step ended and is saved: a rerun resumes here
                         log.info("interrupted: checkpoint saved", step=self.step, of=total)
-                        raise KeyboardInterrupt
+                        interrupted.clear()  # handled: the caller records, then stops
+                        break
                     if past_deadline and self.step < total:
                         log.info("time limit: paused", step=self.step, of=total)
                         break
@@ -452,7 +454,13 @@ class DrafterTrainer:
             seconds=round(seconds, 1),
             positions_per_s=round(positions / max(seconds, 1e-9)),
         )
-        return TrainResult(step=self.step, seconds=seconds, history=list(self.history), total=total)
+        return TrainResult(
+            step=self.step,
+            seconds=seconds,
+            history=list(self.history),
+            total=total,
+            interrupted=stop,
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------
 
