@@ -58,8 +58,9 @@ def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strate
     return construct(cls, config)
 
 
-def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    """Stop strings as a list: one string given bare is one stop string, not its characters."""
+def stop_strings(stop: str | Sequence[str] | None, what: str = "stop strings") -> list[str]:
+    """Stop strings as a list: one string given bare is one stop string, not its characters.
+    `what` names them in errors (the server's `stop_sequences`, say)."""
     if stop is None:
         return []
     # Any iterable of strings but a mapping (a dict's keys would pass unnoticed) or bytes.
@@ -68,9 +69,9 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     if strings is None or not all(isinstance(s, str) for s in strings):
         raise ConfigError(f"stop: expected a string or a list of strings, got {stop!r}")
     if any(not s for s in strings):  # "" would match everywhere; it used to be dropped silently
-        raise ConfigError("stop strings must not be empty")
+        raise ConfigError(f"{what} must not be empty")
     for i, s in enumerate(strings):  # a lone surrogate could never match decoded text
-        check_text(s, f"stop strings[{i}]")
+        check_text(s, f"{what}[{i}]")
     return strings
 
 

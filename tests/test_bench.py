@@ -276,7 +276,9 @@ def test_report_schema_through_cli(tmp_path, capsys):
     assert "leave out the recipes" in capsys.readouterr().err
 
 
-def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatch):
+def _count_measures(monkeypatch, ctrl_c_at: int | None = None) -> list[int]:  # noqa: ANN001
+    """The bench runner's `measure` calls, by max_tokens as they come; with `ctrl_c_at`, the
+    call of that number raises KeyboardInterrupt instead, as a user's Ctrl-C would."""
     from dspark_flow.bench import runner
 
     calls: list[int] = []
@@ -284,9 +286,16 @@ def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatc
 
     def counted(mode, group, ids, max_tokens):  # noqa: ANN001
         calls.append(max_tokens)
+        if len(calls) == ctrl_c_at:
+            raise KeyboardInterrupt
         return real(mode, group, ids, max_tokens)
 
     monkeypatch.setattr(runner, "measure", counted)
+    return calls
+
+
+def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatch):
+    calls = _count_measures(monkeypatch)
     prompts = tmp_path / "two.txt"
     prompts.write_text("Repeat this: the cat sat on the mat.\nSay hello.\n")
     out = tmp_path / "out"
@@ -303,18 +312,8 @@ def test_warmup_trials_run_every_prompt_and_mode_unrecorded(tmp_path, monkeypatc
 
 
 def test_ctrl_c_mid_bench_reports_the_prompts_every_mode_finished(tmp_path, monkeypatch, capsys):
-    from dspark_flow.bench import runner
-
-    calls: list[int] = []
-    real = runner.measure
-
-    def ctrl_c_at_the_sixth(mode, group, ids, max_tokens):  # noqa: ANN001
-        calls.append(max_tokens)
-        if len(calls) == 6:  # 2 warm-ups, prompt 1's 2 modes, prompt 2's first mode, then this
-            raise KeyboardInterrupt
-        return real(mode, group, ids, max_tokens)
-
-    monkeypatch.setattr(runner, "measure", ctrl_c_at_the_sixth)
+    # The 6th measurement: 2 warm-ups, prompt 1's 2 modes, prompt 2's first mode, then this.
+    _count_measures(monkeypatch, ctrl_c_at=6)
     prompts = tmp_path / "two.txt"
     prompts.write_text("Repeat this: the cat sat on the mat.\nSay hello.\n")
     out = tmp_path / "out"

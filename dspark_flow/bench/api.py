@@ -140,14 +140,15 @@ def bench(
         "modes": [f"{m.name} ({g.label})" for g in groups for m in g.modes],
     }
     data["meta"]["load_avg_end"] = load_avg()
-    if results.get("interrupted"):  # Ctrl-C: the prompts finished so far, said so everywhere
+    interrupted = bool(results.get("interrupted"))
+    if interrupted:  # Ctrl-C: the prompts finished so far, said so everywhere
         done = len({(r["prompt_id"], r["trial"]) for r in results["runs"]})
         data["meta"]["interrupted"] = (
             f"stopped by the user after {done} of {cfg.trials * len(items)} prompt runs; "
             "no verify cost curve"
         )
     outcome = BenchOutcome(data) if out_dir is None else write_outputs(data, Path(out_dir), plots)
-    if results.get("interrupted"):
+    if interrupted:
         outcome.notes.append(f"interrupted: {data['meta']['interrupted']}")
         raise BenchInterrupted(outcome)
     return outcome

@@ -60,9 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.data_worker is not None:  # "" too: an empty share is a slip, not "all of it"
         DataWorker.parse(args.data_worker)  # a malformed I/N fails here, --check or not
     stages = tuple(args.stage) if args.stage else STAGES
-    if args.check or {"train", "export", "vocab"} & set(stages):
+    if args.check:  # (a run checks the output itself, in run_training, before any work)
         check_output(recipe, args.recipe, args.replace)
-    if args.check:
         start = recipe.train.init_from
         if start and not Path(start).exists():  # a later stage may check before an earlier runs
             print(

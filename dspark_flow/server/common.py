@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from dspark_flow.errors import PromptError
+from dspark_flow.errors import DsparkFlowError
 from dspark_flow.log import get_logger
-from dspark_flow.pipeline import check_text
+from dspark_flow.pipeline import stop_strings
 from dspark_flow.result import GenResult
 
 log = get_logger()
@@ -50,15 +50,13 @@ def parts_text(content: str | list[TextPart], noun: str) -> str:
 
 
 def check_stops(strings: list[str], what: str) -> None:
-    """An empty stop string would end every output at once; one that is not UTF-8 (a JSON
-    escape such as \\ud800 decodes to a lone surrogate) could never match."""
-    if any(s == "" for s in strings):
-        raise ValueError(f"{what} must not be empty")
-    for i, s in enumerate(strings):
-        try:
-            check_text(s, f"{what}[{i}]")
-        except PromptError as e:  # a ValueError is what request validators raise
-            raise ValueError(str(e)) from None
+    """The library's own check of stop strings (`pipeline.stop_strings`: an empty one would end
+    every output at once; one that is not UTF-8, a JSON escape such as \\ud800, could never
+    match), raised as the ValueError request validators raise."""
+    try:
+        stop_strings(strings, what)
+    except DsparkFlowError as e:
+        raise ValueError(str(e)) from None
 
 
 # Anthropic names its error types by status; OpenAI uses invalid_request_error for all 4xx.

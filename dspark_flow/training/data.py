@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from dspark_flow.errors import ConfigError, DsparkFlowError, RecipeError
-from dspark_flow.files import write_atomic
+from dspark_flow.files import write_atomic, write_text_atomic
 from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import PromptFile, TrainRecipe
 
@@ -221,7 +221,7 @@ def _batch_seed(*parts: int) -> int:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1).encode("utf-8")), durable=True)
+    write_text_atomic(json.dumps(obj, indent=1), path, durable=True)
 
 
 # -- batched generation ------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def _self_prompts(
                 bar.update(1)
         batch += 1
         body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        write_atomic(path, lambda f, body=body: f.write(body.encode("utf-8")), durable=True)
+        write_text_atomic(body, path, durable=True)
     if bar is not None:
         bar.close()
     if len(prompts) < want:
