@@ -16,7 +16,9 @@ class GenResult:
     prefill included); `tokens_per_sec` divides all generated tokens by the whole call's time;
     `decode_tokens_per_sec` divides the tokens after the first by the time after the first.
     `accept_lengths[i]` is the number of tokens round i committed (accepted drafts + the target's
-    own token), so plain greedy gives 1 each round and `mean_accept_len` is τ.
+    own token), so plain greedy gives 1 each round and `mean_accept_len` is τ. A round that
+    meets a stop counts up to the token that stopped (an end token included), not the drafts
+    it accepted past it.
 
     A stop string is cut from `text`, while `token_ids` end with the token that completed it
     (a token can hold text on both sides of the cut); tokens a speculative round committed

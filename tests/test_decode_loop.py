@@ -50,8 +50,9 @@ def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
         res = lookup_generate(model, tok, prompt["turns"][0], max_new_tokens=MAX_NEW)
         assert res.token_ids == ref.token_ids, prompt["turns"][0][:40]
         assert res.text == ref.text
-        # Rounds commit every token after the first; a stop rule may cut the last round short.
-        assert sum(res.accept_lengths) >= res.num_tokens - 1
+        # Rounds make the tokens plain decoding's rounds make, an end token included, and
+        # nothing a round committed past a stop.
+        assert sum(res.accept_lengths) == sum(ref.accept_lengths)
         drafted += res.num_tokens - 1 - res.num_rounds
     assert drafted > 50  # the copy-heavy prompts really did accept drafts
 
@@ -137,6 +138,8 @@ def test_a_stop_string_ends_speculation_where_it_ends_greedy_decoding(embedded):
         assert plain.finish_reason == spec.finish_reason == "stop", stop
         assert spec.token_ids == plain.token_ids and spec.num_tokens == plain.num_tokens, stop
         assert spec.text == plain.text == "".join(pieces), stop
+        # τ counts the tokens up to the stop, not those the last round committed past it.
+        assert sum(spec.accept_lengths) == sum(plain.accept_lengths) == plain.num_tokens - 1
 
 
 def test_streaming_concatenation_and_utf8(embedded):

@@ -123,6 +123,13 @@ def _check_draft(drafter: Drafter, draft: Any, vocab: int | None) -> None:
             )
 
 
+def _count_until(accept_lengths: list[int], start: int, end: int) -> None:
+    """A stop inside the last round: it counts the tokens up to the one that stopped (index
+    `end` - 1), not those it committed past it, which plain decoding never makes."""
+    if accept_lengths:
+        accept_lengths[-1] = min(accept_lengths[-1], end - start)
+
+
 def _first_stop(stops: list[StopRule], generated: list[int], start: int) -> tuple[int, str] | None:
     found: tuple[int, str] | None = None
     for rule in stops:
@@ -182,9 +189,11 @@ def decode(
         if stop is not None:
             del generated[stop[0] :]
             finish = stop[1]
+            _count_until(accept_lengths, start, stop[0] + 1)  # the stopping token was made
         if stream.active and (keep := stream.update(generated)) is not None:
             del generated[keep:]  # the cache may hold more; finish() is told what counts
             finish, stopped_by_text = "stop", True
+            _count_until(accept_lengths, start, keep)
             break
         for piece in pending:
             yield TextEvent(piece)

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from dspark_flow.files import write_atomic, write_text_atomic
 from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
 
@@ -211,7 +212,7 @@ def run_training(
         trainer.export(work_dir(recipe) / "float", quantize=None)
         trainer.export(out, replace=replace)
         if kept is not None:
-            (out / VOCAB_FILE).write_bytes(kept)
+            write_atomic(out / VOCAB_FILE, lambda f: f.write(kept))
     if "export" in stages or "vocab" in stages:
         try:
             if not producing:
@@ -261,7 +262,7 @@ def run_training(
         return summary
     try:
         running.parent.mkdir(parents=True, exist_ok=True)
-        running.write_text(running_text)
+        write_text_atomic(running_text, running)
     except OSError as exc:  # the summary is a record, not a result: never fail the run for it
         log.warning("could not write the running summary", path=str(running), error=str(exc))
     # The output's copy describes the drafter in it: only a call that exported or evaluated
@@ -269,7 +270,7 @@ def run_training(
     # A vocab call records its count with the drafter it belongs to (when there is one).
     recount = "vocab" in stages and (out / "config.json").is_file()
     if out.is_dir() and ("export" in stages or "eval" in stages or recount):
-        (out / SUMMARY).write_text(text)
+        write_text_atomic(text, out / SUMMARY)
         write_card(recipe, out)
     if interrupted:  # Ctrl-C: the step, its checkpoint and this call's record are saved
         raise KeyboardInterrupt
@@ -388,4 +389,4 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
     if summary.get("eval_command") and summary.get("eval_command") != train.get("command"):
         parts.append(summary["eval_command"])
     parts += ["```", ""]
-    prev.write_text("\n".join(parts))
+    write_text_atomic("\n".join(parts), prev)
