@@ -183,6 +183,13 @@ class Verifier(Strategy):
         computed (`mx.array(tokens, dtype=mx.uint32)` takes both without a sync)."""
         raise NotImplementedError
 
+    @property
+    def exact_rows(self) -> int | None:
+        """The most rows a forward may hold and still compute every row bit for bit as a
+        one-row forward does, or None where the verifier promises nothing of the kind. The loop
+        drafts at most this many minus one, so that no verify leaves the exact routes."""
+        return None
+
 
 # -- sampler -----------------------------------------------------------------------------------
 

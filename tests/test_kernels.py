@@ -708,6 +708,44 @@ def test_invariant_mode_chunks_the_stock_matmul_past_its_span(monkeypatch, tiny_
 
 
 @cpu_only
+def test_invariant_mode_keeps_every_verify_within_the_rows_it_routes(monkeypatch, tiny_quantized):
+    # Past max_rows a forward runs MLX's own layers, which round differently: drafts are capped
+    # at max_rows - 1 (the drafter here offers 16 tokens a round and the cap asks for 8).
+    from dspark_flow.strategy import Draft, Drafter, StrategyConfig
+
+    class SixteenConfig(StrategyConfig):
+        kind: str = "sixteen"
+
+    class Sixteen(Drafter):
+        Config = SixteenConfig
+        max_draft = 16
+
+        def propose(self, history: list[int], k: int) -> Draft:
+            return Draft(tokens=[42] * k)
+
+    monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
+    verifier = _emulated_verifier(max_rows=4, invariant=True)
+    recipe = _recipe({"kind": "lookup"}, limit=12)
+    recipe["draft_cap"] = {"kind": "fixed", "k": 8}
+    spec = Pipeline.from_dict(recipe, target=tiny_quantized, verifier=verifier, drafter=Sixteen())
+    spec.warm_up()
+    assert verifier.exact_rows == 4
+    assert _emulated_verifier(max_rows=4).exact_rows is None  # promises nothing
+    rows: list[int] = []
+    forward = verifier.forward
+    monkeypatch.setattr(
+        verifier, "forward", lambda m, t, c: rows.append(len(t)) or forward(m, t, c)
+    )
+    prompt = [504, 2365, 6354, 504, 2365]
+    got = spec.generate(prompt)
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}, limit=12), target=tiny_quantized)
+    assert got.token_ids == greedy.generate(prompt).token_ids
+    # after the prefill a verify holds 3 drafts (fewer near the token budget), never 8
+    assert max(rows[1:]) == 4 and rows.count(4) >= 2
+    verifier.restore()
+
+
+@cpu_only
 def test_invariant_mode_takes_qmv_rows_past_the_span_only_where_it_is_bitwise(
     monkeypatch, tiny_quantized
 ):

@@ -167,6 +167,7 @@ def decode(
         # trained context ends rather than run on until memory does.
         budget = context_end = max(1, limit - len(prompt_ids))
     drafting = c.drafter.max_draft != 0
+    exact_rows = c.verifier.exact_rows  # a verify past them would not be greedy's arithmetic
 
     c.sampler.begin()
     c.drafter.begin(prompt_ids, c.sampler)
@@ -216,6 +217,8 @@ def decode(
                 source = c.drafter.source(history)
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
+        if exact_rows is not None:
+            k = min(k, exact_rows - 1)
         if ahead is not None:  # this round's forward is in flight already: it drafts nothing
             k = 0
         draft = c.drafter.propose(history, k) if k > 0 else Draft()

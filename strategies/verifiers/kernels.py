@@ -407,6 +407,12 @@ class KernelVerifier(Verifier):
             self.compiled = CompiledLayers(self._max_rows, self.fused)
             self.compiled.install(model)
 
+    @property
+    def exact_rows(self) -> int | None:
+        """In invariant mode the rows its routes were probed for (16, or the recipe's
+        `max_rows`): a 17-row verify would run MLX's own forward, which rounds differently."""
+        return self._max_rows if self._take_correct else None
+
     def _rows_wanted(self, ctx: BuildContext) -> int:
         """The largest verify forward to probe and route: the recipe's `max_rows`; in invariant
         mode all 16, since every pipeline on the target (plain greedy too) and every short
