@@ -246,6 +246,10 @@ class DraftCap(Strategy):
         `observe` still gets the real source."""
         return True
 
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A generation starts after these prompt tokens (the loop calls it after the
+        drafter's begin)."""
+
     def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         """How many tokens to draft this round, whose draft comes from `source`."""
         raise NotImplementedError

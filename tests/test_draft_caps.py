@@ -787,6 +787,28 @@ def test_calibrated_and_auto_are_lossless(embedded, greedy_refs, shared_cache, k
 
 
 @pytest.mark.slow
+def test_caps_sharing_a_drafter_follow_only_their_own_generations(embedded, shared_cache):
+    """Each cap used to wrap the drafter's begin() to learn of new generations, so every cap
+    ever warmed with a drafter stayed chained to it (one more per speculative_generate call
+    with a cap given as a dict): the loop now tells the cap itself."""
+    from dspark_flow.pipeline import Pipeline
+    from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+
+    drafter = LookupDrafter(LookupConfig(max_draft=8))
+    cap = {"kind": "auto", **FAST, "depths": [32], "cache_dir": str(shared_cache)}
+    pipes = [
+        Pipeline.from_dict({"drafter": {"kind": "lookup"}, "draft_cap": cap}, target=embedded,
+                           drafter=drafter).warm_up()
+        for _ in range(3)
+    ]  # fmt: skip
+    assert "begin" not in vars(drafter)  # nothing wrapped the drafter's method
+    depths = [p.draft_cap.depth for p in pipes]  # type: ignore[attr-defined]
+    pipes[1].generate(PROMPTS[0], max_new_tokens=4)
+    after = [p.draft_cap.depth for p in pipes]  # type: ignore[attr-defined]
+    assert after[0] == depths[0] and after[2] == depths[2] and after[1] > 20
+
+
+@pytest.mark.slow
 def test_calibrate_api_gives_a_pipeline_draft_cap(embedded, greedy_refs, tmp_path):
     import dspark_flow
     from dspark_flow.pipeline import Pipeline

@@ -336,7 +336,6 @@ class CurveCap(DraftCap):
     def warm_up(self, ctx: BuildContext) -> None:
         drafter = ctx.drafter
         if drafter is not None:
-            self._follow_generations(drafter)
             self.drafter_sizes_drafts = bool(getattr(drafter, "sizes_own_drafts", False))
         if self.curves is not None and drafter is not None and self.calibrated_for is not None:
             self._check_calibrated_for(drafter, self.calibrated_for)
@@ -379,20 +378,6 @@ class CurveCap(DraftCap):
                 calibrated_for=measured_with.get("kind"),
                 drafter=getattr(drafter.config, "kind", type(drafter).__name__),
             )
-
-    def _follow_generations(self, drafter: Any) -> None:
-        """The DraftCap contract has no begin(); the context depth of a new generation is
-        learnt from the drafter's begin(), which the loop calls first thing."""
-        original = drafter.begin
-        if getattr(original, "_cap", None) is self:
-            return
-
-        def begin(prompt_ids: list[int], sampler: Any) -> None:
-            original(prompt_ids, sampler)
-            self.begin(prompt_ids)
-
-        begin._cap = self  # type: ignore[attr-defined]
-        drafter.begin = begin
 
     # -- the contract ------------------------------------------------------------------------
 

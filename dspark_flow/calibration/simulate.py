@@ -127,8 +127,7 @@ def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Repl
     `curves.round_cost(proposed, depth)`: verify(proposed + 1 rows) + drafter(proposed), the
     drafter's part only where the round's source runs it (not for a copied run)."""
     out = Replay()
-    if hasattr(cap, "begin"):
-        cap.begin([0] * trace.prompt_len)  # type: ignore[attr-defined]
+    cap.begin([0] * trace.prompt_len)
     j = 1
     while j < trace.end:
         source = trace.sources[j] if trace.sources else DRAFTER_SOURCE

@@ -171,6 +171,7 @@ def decode(
 
     c.sampler.begin()
     c.drafter.begin(prompt_ids, c.sampler)
+    c.draft_cap.begin(prompt_ids)
     t_prefill = time.perf_counter()
     cache, logits, forwards = _prefill(c, prompt_ids)
     generated = [int(c.sampler.sample(logits).item())]
