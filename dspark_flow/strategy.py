@@ -141,10 +141,6 @@ class Drafter(Strategy):
     # far back the match reaches, so long drafts only where a copy run is likely): `auto` then
     # decides only whether to draft and lets the drafter fill up to the limit.
     sizes_own_drafts: ClassVar[bool] = False
-    # True where every call may run on a worker thread of the loop's (engine/draft_worker.py):
-    # the drafter builds all the arrays it evaluates within its own calls, none at warm-up
-    # left unevaluated (MLX binds a stream to the thread that made it).
-    runs_on_worker: ClassVar[bool] = False
 
     @property
     def max_draft(self) -> int | None:
@@ -173,12 +169,6 @@ class Drafter(Strategy):
         ([last token] + accepted drafts, i.e. accepted + 1 rows). Drafters that read the target's
         hidden states (taps, `dspark_flow.models.taps`) take them here; the others ignore it.
         """
-
-    def target_features(self) -> list[mx.array]:
-        """The target's arrays the next `after_forward` takes (its taps): a loop running this
-        drafter on a worker thread evaluates them on its own thread first, since MLX waits for
-        an array on the stream of the thread that computed it."""
-        return []
 
 
 # -- verifier ----------------------------------------------------------------------------------

@@ -142,30 +142,6 @@ def test_a_stop_string_ends_speculation_where_it_ends_greedy_decoding(embedded):
         assert sum(spec.accept_lengths) == sum(plain.accept_lengths) == plain.num_tokens - 1
 
 
-def test_drafts_evaluated_on_a_worker_thread_change_nothing(embedded, monkeypatch):
-    """The worker (off by default) evaluates lazy drafts while the loop builds the verify
-    graph: same tokens, same rounds, and its thread ends with the generation."""
-    import threading
-
-    from dspark_flow.api import load_drafter, speculative_generate
-    from dspark_flow.engine import draft_worker
-
-    model, tok = embedded
-    prompt = "Write a Python function that returns the sum of a list."
-    plain = greedy_generate(model, tok, prompt, max_new_tokens=MAX_NEW)
-    for name in ("builtin:smollm2-135m-dspark", "builtin:smollm2-135m-dflash"):
-        drafter = load_drafter(name, model)
-        runs = []
-        for on_worker in (False, True):
-            monkeypatch.setattr(draft_worker, "DRAFT_ON_WORKER", on_worker)
-            runs.append(speculative_generate(
-                model, tok, drafter, prompt, max_new_tokens=MAX_NEW, max_draft_tokens=None
-            ))  # fmt: skip
-        assert runs[0].token_ids == runs[1].token_ids == plain.token_ids, name
-        assert runs[0].accept_lengths == runs[1].accept_lengths and runs[1].mean_accept_len > 1
-    assert not [t for t in threading.enumerate() if t.name.startswith("dspark-flow-draft")]
-
-
 def test_streaming_concatenation_and_utf8(embedded):
     model, tok = embedded
     pieces: list[str] = []

@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from dspark_flow.engine.draft_worker import DrafterOnWorker, DraftWorker, draft_on_worker
 from dspark_flow.engine.textstream import TextStream
 from dspark_flow.errors import ConfigError, PromptError
 from dspark_flow.models.context import config_vocab_size, context_limit
@@ -152,23 +151,6 @@ def decode(
     string needs it sooner).
     """
     t0 = started if started is not None else time.perf_counter()
-    if c.drafter.max_draft == 0 or not draft_on_worker(c.drafter) or overlaps_plain_rounds():
-        yield from _decode(c, prompt_ids, stream_text, t0)
-        return
-    worker = DraftWorker()
-    try:
-        yield from _decode(replace(c, drafter=DrafterOnWorker(c.drafter, worker)), prompt_ids,
-                           stream_text, t0)  # fmt: skip
-    finally:
-        worker.close()
-
-
-def _decode(
-    c: Components,
-    prompt_ids: list[int],
-    stream_text: bool,
-    t0: float,
-) -> Iterator[Event]:
     if not prompt_ids:
         raise PromptError("the prompt is empty")
     limit = context_limit(c.model)
@@ -244,10 +226,7 @@ def _decode(
         if not isinstance(draft, Draft) or (draft.pending is None and draft.tokens):
             _check_draft(c.drafter, draft, vocab)
         if draft.pending is not None:  # the drafter computes while the verify graph is built
-            if isinstance(c.drafter, DrafterOnWorker):
-                c.drafter.launch(draft.pending)
-            else:
-                mx.async_eval(draft.pending)
+            mx.async_eval(draft.pending)
         features_taken = ahead is not None  # after_forward ran when that forward was built
         if ahead is not None:
             logits, ahead = ahead, None
@@ -271,8 +250,6 @@ def _decode(
             mx.async_eval(ahead)
             accepted, next_token = 0, int(token.item())
         else:
-            if isinstance(c.drafter, DrafterOnWorker):
-                c.drafter.worker.wait()  # before this thread evaluates the draft
             accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
         if draft.pending is not None:  # a sampler claiming resolves_pending that did not
             raise ConfigError(f"sampler {type(c.sampler).__name__} left the draft's ids pending")

@@ -140,7 +140,6 @@ class BlockDrafterConfig(StrategyConfig):
 
 class BlockDrafter(Drafter):
     Config: ClassVar[type[StrategyConfig]] = BlockDrafterConfig
-    runs_on_worker: ClassVar[bool] = True
     config: BlockDrafterConfig
     LAYOUTS: ClassVar[tuple[str, ...]] = ()
     # Which block slot predicts the first draft token: DSpark's slot 0 (the anchor's own slot)
@@ -262,9 +261,6 @@ class BlockDrafter(Drafter):
         self._pending, self._rows = [], 0
         self._copies = None
         self._taps.latest.clear()
-
-    def target_features(self) -> list[mx.array]:
-        return list(self._taps.latest.values()) if self._taps is not None else []
 
     def after_forward(self, committed: int) -> None:
         assert self._taps is not None and self.spec is not None
