@@ -96,11 +96,12 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     from dspark_flow.recipe.load import load_recipe
+    from dspark_flow.recipe.schema import TOOL_DEFAULTS
 
     problems: list[str] = []
     for path in args.recipes:
         try:
-            load_recipe(path, args.overrides)
+            load_recipe(path, args.overrides, TOOL_DEFAULTS)  # what `run` and `serve` build
             print(f"ok {path}")
         except RecipeError as exc:
             problems.extend(exc.problems)

@@ -15,7 +15,12 @@ from dspark_flow.errors import DsparkFlowError
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    p.add_argument(
+        "--log-format",
+        choices=["console", "json"],
+        default="console",
+        help="console (default) or json lines",
+    )
     p.add_argument(
         "--log-level",
         type=str.lower,
