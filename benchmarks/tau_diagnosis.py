@@ -161,15 +161,15 @@ def _lookup_runs(tokens: list[int], prompt_len: int, anchors: int) -> list[tuple
     """At each anchor (answer position), prompt lookup's draft of up to 15 tokens, found as the
     product's `lookup` drafter finds it: (its match length, tokens it got right at a cap of 7,
     at a cap of 15)."""
-    from dspark_flow.calibration.simulate import matching_prefix
     from dspark_flow.strategies.drafters.lookup import LookupConfig, find_copy
+    from dspark_flow.strategy import accepted_prefix
 
     search = LookupConfig()
     out = []
     for j in range(anchors):
         a = prompt_len + j
         draft, match = find_copy(tokens[: a + 1], 15, search)
-        right = matching_prefix(draft, tokens[a + 1 : a + 16])
+        right = accepted_prefix(draft, tokens[a + 1 : a + 16])
         out.append((match, min(right, 7), right))
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -124,6 +124,17 @@ class Draft:
         import mlx.core as mx  # this module imports mlx for types only
 
         return mx.concatenate([mx.array([last], dtype=mx.uint32), self.pending.astype(mx.uint32)])
+
+
+def accepted_prefix(draft: Sequence[int], truth: Sequence[int]) -> int:
+    """How many leading tokens of `draft` equal `truth`'s: what a greedy verify accepts (and
+    replays count, and a cache keeps of a history it was fed)."""
+    n = 0
+    for proposed, chosen in zip(draft, truth, strict=False):
+        if proposed != chosen:
+            break
+        n += 1
+    return n
 
 
 # Where a round's draft comes from. A drafter that also copies runs from the context (block

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspark_flow.calibration.curves import Curves
-from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, Draft, DraftCap
+from dspark_flow.strategy import COPY_SOURCE, DRAFTER_SOURCE, Draft, DraftCap, accepted_prefix
 
 
 @dataclass
@@ -98,7 +98,7 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
     for j, tokens in drafts.items():
         if 1 <= j < len(out):
             proposed[j] = len(tokens)
-            accepted[j] = matching_prefix(tokens, out[j:])
+            accepted[j] = accepted_prefix(tokens, out[j:])
             source_at[j] = sources[j]
     return DraftTrace(
         prompt_len,
@@ -110,16 +110,6 @@ def record_trace(pipeline: Any, prompt: str, max_tokens: int, category: str = ""
         category,
         source_at,
     )
-
-
-def matching_prefix(draft: list[int], truth: list[int]) -> int:
-    """How many leading tokens of `draft` equal `truth`'s (the tokens a greedy verify accepts)."""
-    n = 0
-    for a, b in zip(draft, truth, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Replay:

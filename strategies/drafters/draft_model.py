@@ -16,7 +16,14 @@ from pydantic import Field
 
 from dspark_flow.errors import ConfigError
 from dspark_flow.recipe.schema import WeightFormat
-from dspark_flow.strategy import BuildContext, Draft, Drafter, Sampler, StrategyConfig
+from dspark_flow.strategy import (
+    BuildContext,
+    Draft,
+    Drafter,
+    Sampler,
+    StrategyConfig,
+    accepted_prefix,
+)
 
 
 class DraftModelConfig(StrategyConfig):
@@ -59,12 +66,9 @@ class DraftModelDrafter(Drafter):
 
     def _catch_up(self, history: list[int]) -> mx.array:
         """Bring the cache in step with `history`; return logits for the token after it."""
-        common = 0
-        for a, b in zip(self._fed, history):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(history) - 1)  # always feed at least one token
+        common = min(
+            accepted_prefix(self._fed, history), len(history) - 1
+        )  # always feed at least one token
         if len(self._fed) > common:
             trim_prompt_cache(self._cache, len(self._fed) - common)
         logits = self.model(mx.array(history[common:], dtype=mx.uint32)[None], cache=self._cache)

@@ -6,7 +6,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from dspark_flow.strategy import Draft, Sampler, StrategyConfig
+from dspark_flow.strategy import Draft, Sampler, StrategyConfig, accepted_prefix
 
 
 class GreedyConfig(StrategyConfig):
@@ -22,11 +22,7 @@ def greedy_verify(logits: mx.array, draft: Draft) -> tuple[int, int]:
         both = mx.concatenate([choices.astype(mx.int64), draft.pending.astype(mx.int64)]).tolist()
         choices = both[: logits.shape[0]]
         draft.resolve(both[logits.shape[0] :])
-    n = 0
-    for proposed, chosen in zip(draft.tokens, choices):
-        if proposed != chosen:
-            break
-        n += 1
+    n = accepted_prefix(draft.tokens, choices)
     return n, choices[n]
 
 
