@@ -168,6 +168,9 @@ def decode(
         budget = context_end = max(1, limit - len(prompt_ids))
     drafting = c.drafter.max_draft != 0
     exact_rows = c.verifier.exact_rows  # a verify past them would not be greedy's arithmetic
+    max_draft = c.drafter.max_draft  # what the cap may ask for
+    if exact_rows is not None:
+        max_draft = exact_rows - 1 if max_draft is None else min(max_draft, exact_rows - 1)
 
     c.sampler.begin()
     c.drafter.begin(prompt_ids, c.sampler)
@@ -213,12 +216,12 @@ def decode(
             reads = c.draft_cap.reads_source
             if reads:
                 source = c.drafter.source(history)
-            k = c.draft_cap.choose(c.drafter.max_draft, source)
+            k = c.draft_cap.choose(max_draft, source)
             if k > 0 and not reads:
                 source = c.drafter.source(history)
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
-        if exact_rows is not None:
+        if exact_rows is not None:  # whatever the cap chose
             k = min(k, exact_rows - 1)
         if ahead is not None:  # this round's forward is in flight already: it drafts nothing
             k = 0
