@@ -30,18 +30,20 @@ TOP_K = 3
 N = 500
 
 
-def next_probs(model, ids: list[int]) -> np.ndarray:
+def next_probs(model, ids: list[int], temperature: float = 1.0, top_p: float = 1.0) -> np.ndarray:
     logits = model(mx.array(ids)[None])[0, -1]
-    return np.array(processed_probs(logits[None], 1.0, 1.0, TOP_K, 0.0)[0])
+    return np.array(processed_probs(logits[None], temperature, top_p, TOP_K, 0.0)[0])
 
 
-def exact_three(model, prompt: list[int] = PROMPT) -> dict[tuple[int, int, int], float]:
+def exact_three(
+    model, prompt: list[int] = PROMPT, temperature: float = 1.0, top_p: float = 1.0
+) -> dict[tuple[int, int, int], float]:
     out: dict[tuple[int, int, int], float] = {}
-    p1 = next_probs(model, prompt)
+    p1 = next_probs(model, prompt, temperature, top_p)
     for t1 in np.flatnonzero(p1).tolist():
-        p2 = next_probs(model, [*prompt, t1])
+        p2 = next_probs(model, [*prompt, t1], temperature, top_p)
         for t2 in np.flatnonzero(p2).tolist():
-            p3 = next_probs(model, [*prompt, t1, t2])
+            p3 = next_probs(model, [*prompt, t1, t2], temperature, top_p)
             for t3 in np.flatnonzero(p3).tolist():
                 out[(int(t1), int(t2), int(t3))] = float(p1[t1] * p2[t2] * p3[t3])
     return out
@@ -80,17 +82,20 @@ def target_and_exact(embedded):
     return (target, embedded[1]), exact_three(target)
 
 
-def restricted_dspark(directory: Path, target, exact, **options) -> Drafter:
-    """A random-weight DSpark drafter (Markov and confidence heads) for the tiny target whose
-    draft vocabulary holds some of the target's likely tokens and misses others: its q is zero
-    on tokens the target may say, and its drafts are drawn within the subset. (Few of its drafts
-    are accepted, so this end-to-end check is weak against a q that is slightly off; the drafter
-    tests check q itself: tests/test_drafters.py, draft vocabulary.)"""
+def restricted_dspark(directory: Path, target, exact, dflash: bool = False, **options) -> Drafter:
+    """A random-weight DSpark drafter (Markov and confidence heads), or DFlash one, for the tiny
+    target whose draft vocabulary holds some of the target's likely tokens and misses others:
+    its q is zero on tokens the target may say, and its drafts are drawn within the subset. (Few
+    of its drafts are accepted, so this end-to-end check is weak against a q that is slightly
+    off; the drafter tests check q itself: tests/test_drafters.py, draft vocabulary.)"""
     from dspark_flow.api import load_drafter
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from tests import drafter_helpers as h
 
-    cfg = h.deepspec_config(32, VOCAB, 1, [-1, 0], markov_rank=8, confidence=True)
+    if dflash:
+        cfg = h.zlab_config(32, VOCAB, 1, [0], block=4)
+    else:
+        cfg = h.deepspec_config(32, VOCAB, 1, [-1, 0], markov_rank=8, confidence=True)
     h.write_checkpoint(directory, cfg, h.random_tensors(cfg, seed=4))
     likely = sorted({t for outcome in exact for t in outcome[1:]})  # what drafts can match
     ids = [t for i, t in enumerate(likely) if i % 4]  # misses a quarter of them
@@ -106,22 +111,47 @@ def flat_target_and_exact(embedded):
     return (target, embedded[1]), exact_three(target)
 
 
+# A cooler, nucleus-truncated sampler: the target's processed p and the draft's q both change.
+TUNED = {"temperature": 0.7, "top_p": 0.9}
+
+
 @pytest.mark.parametrize(
-    "which", ["least_likely", "draft_model", "dspark_draft_vocab", "dspark_prompt_lookup"]
+    "which",
+    [
+        "least_likely",
+        "draft_model",
+        "draft_model_tuned",
+        "lookup",
+        "dspark_draft_vocab",
+        "dflash_draft_vocab",
+        "dspark_prompt_lookup",
+    ],
 )
 def test_three_token_distribution_is_exact(request, which, tmp_path):
-    flat = which.startswith("dspark")
+    flat = which.startswith(("dspark", "dflash", "lookup")) or which == "draft_model_tuned"
     (target, tok), exact = request.getfixturevalue(
         "flat_target_and_exact" if flat else "target_and_exact"
     )
     prompt = PROMPT
     cap = {"kind": "fixed", "k": 2}
+    settings = {"temperature": 1.0}
     if which == "least_likely":
         drafter: Drafter = LeastLikelyDrafter(target)
-    elif which == "draft_model":
+    elif which.startswith("draft_model"):
         drafter = DraftModelDrafter(DraftModelConfig(model="<tiny>"), model=tiny_model(seed=5))
-    elif which == "dspark_draft_vocab":
-        drafter = restricted_dspark(tmp_path / "dspark", target, exact)
+        if which == "draft_model_tuned":
+            settings = TUNED
+            exact = exact_three(target, prompt, **TUNED)
+    elif which == "lookup":  # one-hot copies of the context (no distribution)
+        from dspark_flow.strategies.drafters.lookup import LookupConfig, LookupDrafter
+
+        prompt = LOOKUP_PROMPT
+        exact = exact_three(target, prompt)
+        drafter = LookupDrafter(LookupConfig(min_ngram=1, max_ngram=2, max_draft=2))
+    elif which.endswith("_draft_vocab"):
+        drafter = restricted_dspark(
+            tmp_path / "d", target, exact, dflash=which.startswith("dflash")
+        )
     else:  # one-hot copies in some rounds, the drafter's q in the others
         prompt = LOOKUP_PROMPT
         exact = exact_three(target, prompt)
@@ -142,18 +172,18 @@ def test_three_token_distribution_is_exact(request, which, tmp_path):
     counts = np.zeros(len(outcomes), np.int64)
     drafted = accepted = 0
     for seed in range(N):
-        sampler = {"kind": "sample", "temperature": 1.0, "top_k": TOP_K, "seed": seed}
+        sampler = {"kind": "sample", **settings, "top_k": TOP_K, "seed": seed}
         res = pipe.generate(prompt, sampler=sampler)
         counts[index[tuple(res.token_ids)]] += 1
         drafted += res.num_rounds
         accepted += sum(n - 1 for n in res.accept_lengths)
     assert drafted > 0
-    if which == "dspark_draft_vocab":  # some drafts from the subset were accepted
+    if which.endswith("_draft_vocab") or which == "lookup":  # some drafts were accepted
         assert accepted > 0
     if which == "dspark_prompt_lookup":  # rounds of both kinds ran, and drafts were accepted
         assert 0 < len(passes) < drafted and accepted > 0
     probs = np.array([exact[o] for o in outcomes])
-    assert abs(probs.sum() - 1) < 1e-4
+    assert abs(probs.sum() - 1) < 1e-4 and len(outcomes) > 3  # a distribution worth testing
     assert fit_ok(counts, probs / probs.sum()) > ALPHA
 
 
