@@ -142,6 +142,48 @@ def test_a_stop_string_ends_speculation_where_it_ends_greedy_decoding(embedded):
         assert sum(spec.accept_lengths) == sum(plain.accept_lengths) == plain.num_tokens - 1
 
 
+@pytest.mark.parametrize("shape", ["keeps its token", "drops the end of a pair"])
+def test_a_plugin_stop_rule_counts_rounds_as_plain_decoding_does(embedded, shape):
+    """A stop rule's index says where output ends, not which token stopped it: the last round
+    counts the tokens plain decoding made before the rule fired, one token at a time."""
+    from dspark_flow.strategy import StopRule, StrategyConfig
+
+    class RuleConfig(StrategyConfig):
+        kind: str = "pair"
+
+    model, tok = embedded
+    prompt = "Repeat after me: one two three, one two three, one two three, one two three."
+    ref = greedy_generate(model, tok, prompt, max_new_tokens=MAX_NEW)
+    ids = ref.token_ids  # the answer repeats itself, so lookup copies its later rounds whole
+    j = next(j for j in range(len(ids) // 2, len(ids)) if ids[j] not in ids[:j])  # a new token
+    a, b = ids[j - 1], ids[j]
+
+    class Rule(StopRule):
+        Config = RuleConfig
+
+        def check_tokens(self, generated: list[int], start: int) -> int | None:
+            for i in range(max(start, 1), len(generated)):
+                if shape == "keeps its token" and generated[i] == b:
+                    return i + 1  # output keeps the token that stopped it
+                if shape != "keeps its token" and generated[i - 1 : i + 1] == [a, b]:
+                    return i  # output ends before the pair's second token
+            return None
+
+    results = []
+    for drafter in ("none", "lookup"):
+        pipe = Pipeline.from_dict(
+            {"drafter": {"kind": drafter}, "stop": [{"kind": "max_tokens", "limit": MAX_NEW}]},
+            target=embedded,
+        ).warm_up()
+        pipe.stops.append(Rule())
+        results.append(pipe.generate(prompt))
+    plain, spec = results
+    assert spec.token_ids == plain.token_ids and plain.finish_reason == "stop"
+    assert max(spec.accept_lengths) > 1  # the copies ran past the stop in one round
+    assert sum(spec.accept_lengths) == sum(plain.accept_lengths)
+    assert min(spec.accept_lengths) >= 1
+
+
 def test_streaming_concatenation_and_utf8(embedded):
     model, tok = embedded
     pieces: list[str] = []

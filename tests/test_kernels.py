@@ -710,39 +710,60 @@ def test_invariant_mode_chunks_the_stock_matmul_past_its_span(monkeypatch, tiny_
 @cpu_only
 def test_invariant_mode_keeps_every_verify_within_the_rows_it_routes(monkeypatch, tiny_quantized):
     # Past max_rows a forward runs MLX's own layers, which round differently: drafts are capped
-    # at max_rows - 1 (the drafter here offers 16 tokens a round and the cap asks for 8).
+    # at max_rows - 1 (the drafter here offers 16 tokens a round and the cap asks for 8), and
+    # the cap is told so. A drafter without a block keeps its cap's own bound (unbounded_k).
     from dspark_flow.strategy import Draft, Drafter, StrategyConfig
 
-    class SixteenConfig(StrategyConfig):
-        kind: str = "sixteen"
+    class OffersConfig(StrategyConfig):
+        kind: str = "offers"
 
-    class Sixteen(Drafter):
-        Config = SixteenConfig
-        max_draft = 16
+    class Offers(Drafter):
+        Config = OffersConfig
+
+        def __init__(self, block: int | None):
+            super().__init__()
+            self.block = block
+
+        @property
+        def max_draft(self) -> int | None:
+            return self.block
 
         def propose(self, history: list[int], k: int) -> Draft:
             return Draft(tokens=[42] * k)
 
     monkeypatch.setattr(probe, "time_pair", _fake_timer(2.0, 1.0))
     verifier = _emulated_verifier(max_rows=4, invariant=True)
-    recipe = _recipe({"kind": "lookup"}, limit=12)
-    recipe["draft_cap"] = {"kind": "fixed", "k": 8}
-    spec = Pipeline.from_dict(recipe, target=tiny_quantized, verifier=verifier, drafter=Sixteen())
-    spec.warm_up()
-    assert verifier.exact_rows == 4
-    assert _emulated_verifier(max_rows=4).exact_rows is None  # promises nothing
+    greedy = Pipeline.from_dict(_recipe({"kind": "none"}, limit=12), target=tiny_quantized)
+    prompt = [504, 2365, 6354, 504, 2365]
+    want = greedy.generate(prompt).token_ids
     rows: list[int] = []
     forward = verifier.forward
     monkeypatch.setattr(
         verifier, "forward", lambda m, t, c: rows.append(len(t)) or forward(m, t, c)
     )
-    prompt = [504, 2365, 6354, 504, 2365]
-    got = spec.generate(prompt)
-    greedy = Pipeline.from_dict(_recipe({"kind": "none"}, limit=12), target=tiny_quantized)
-    assert got.token_ids == greedy.generate(prompt).token_ids
-    # after the prefill a verify holds 3 drafts (fewer near the token budget), never 8
-    assert max(rows[1:]) == 4 and rows.count(4) >= 2
+    for block, cap, most in [(16, {"kind": "fixed", "k": 8}, 4),
+                             (None, {"kind": "full_block", "unbounded_k": 2}, 3)]:  # fmt: skip
+        recipe = {**_recipe({"kind": "lookup"}, limit=12), "draft_cap": cap}
+        spec = Pipeline.from_dict(
+            recipe, target=tiny_quantized, verifier=verifier, drafter=Offers(block)
+        ).warm_up()
+        assert verifier.exact_rows == 4
+        told: list[int | None] = []
+        choose = spec.draft_cap.choose
+        spec.draft_cap.choose = lambda m, source="drafter", told=told, choose=choose: (
+            told.append(m) or choose(m, source)
+        )
+        rows.clear()
+        assert spec.generate(prompt).token_ids == want
+        # after the prefill a verify holds `most` - 1 drafts (fewer near the token budget)
+        assert max(rows[1:]) == most and rows.count(most) >= 2, block
+        assert set(told) == {3 if block else None}, block
     verifier.restore()
+    assert verifier.exact_rows is None
+    plain = _emulated_verifier(max_rows=4)
+    Pipeline.from_dict(_recipe({"kind": "lookup"}), target=tiny_quantized, verifier=plain).warm_up()
+    assert plain.exact_rows is None  # not invariant: promises nothing
+    plain.restore()
 
 
 @cpu_only

@@ -124,10 +124,24 @@ def _check_draft(drafter: Drafter, draft: Any, vocab: int | None) -> None:
 
 
 def _count_until(accept_lengths: list[int], start: int, end: int) -> None:
-    """A stop inside the last round: it counts the tokens up to the one that stopped (index
-    `end` - 1), not those it committed past it, which plain decoding never makes."""
+    """A stop inside the last round (which began at index `start`): it counts the tokens up to
+    `end`, where plain decoding, one token at a time, saw the stop; not those it committed past
+    it, which plain decoding never makes."""
     if accept_lengths:
-        accept_lengths[-1] = min(accept_lengths[-1], end - start)
+        accept_lengths[-1] = min(accept_lengths[-1], max(1, end - start))
+
+
+def _stop_seen_at(stops: list[StopRule], generated: list[int], start: int) -> int:
+    """The fewest tokens of `generated` on which a rule stops, as when tokens come one at a
+    time (a rule may drop the token that stopped it, keep it, or stop on a run of tokens)."""
+    return next(
+        (
+            m
+            for m in range(start + 1, len(generated) + 1)
+            if _first_stop(stops, generated[:m], start)
+        ),
+        len(generated),
+    )
 
 
 def _first_stop(stops: list[StopRule], generated: list[int], start: int) -> tuple[int, str] | None:
@@ -166,11 +180,11 @@ def decode(
         # No rule bounds the output (a recipe without max_tokens): stop where the model's
         # trained context ends rather than run on until memory does.
         budget = context_end = max(1, limit - len(prompt_ids))
-    drafting = c.drafter.max_draft != 0
     exact_rows = c.verifier.exact_rows  # a verify past them would not be greedy's arithmetic
-    max_draft = c.drafter.max_draft  # what the cap may ask for
-    if exact_rows is not None:
-        max_draft = exact_rows - 1 if max_draft is None else min(max_draft, exact_rows - 1)
+    max_draft = c.drafter.max_draft  # what the cap may ask for (None: the cap's own bound)
+    if exact_rows is not None and max_draft is not None:
+        max_draft = min(max_draft, exact_rows - 1)
+    drafting = max_draft != 0 and exact_rows != 1
 
     c.sampler.begin()
     c.drafter.begin(prompt_ids, c.sampler)
@@ -192,9 +206,9 @@ def decode(
         if stop is None and context_end is not None and len(generated) >= context_end:
             stop = (context_end, "length")
         if stop is not None:
+            _count_until(accept_lengths, start, _stop_seen_at(c.stops, generated, start))
             del generated[stop[0] :]
             finish = stop[1]
-            _count_until(accept_lengths, start, stop[0] + 1)  # the stopping token was made
         if stream.active and (keep := stream.update(generated)) is not None:
             del generated[keep:]  # the cache may hold more; finish() is told what counts
             finish, stopped_by_text = "stop", True

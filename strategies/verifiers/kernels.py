@@ -409,9 +409,11 @@ class KernelVerifier(Verifier):
 
     @property
     def exact_rows(self) -> int | None:
-        """In invariant mode the rows its routes were probed for (16, or the recipe's
-        `max_rows`): a 17-row verify would run MLX's own forward, which rounds differently."""
-        return self._max_rows if self._take_correct else None
+        """In invariant mode, once routes are set, the rows they were probed for (16, or the
+        recipe's `max_rows`): a 17-row verify would run MLX's own layers, which round
+        differently. (A shape left on the stock path keeps this bound; it is then a limit, not
+        a promise.)"""
+        return self._max_rows if self._take_correct and self._router is not None else None
 
     def _rows_wanted(self, ctx: BuildContext) -> int:
         """The largest verify forward to probe and route: the recipe's `max_rows`; in invariant
