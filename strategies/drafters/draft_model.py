@@ -66,9 +66,8 @@ class DraftModelDrafter(Drafter):
 
     def _catch_up(self, history: list[int]) -> mx.array:
         """Bring the cache in step with `history`; return logits for the token after it."""
-        common = min(
-            accepted_prefix(self._fed, history), len(history) - 1
-        )  # always feed at least one token
+        # always feed at least one token
+        common = min(accepted_prefix(self._fed, history), len(history) - 1)
         if len(self._fed) > common:
             trim_prompt_cache(self._cache, len(self._fed) - common)
         logits = self.model(mx.array(history[common:], dtype=mx.uint32)[None], cache=self._cache)
