@@ -7,12 +7,16 @@ import difflib
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark_flow.errors import ConfigError, ModelError
 from dspark_flow.pipeline import Pipeline, Prompt, build_strategy, stop_strings
 from dspark_flow.recipe.schema import DEFAULT_MODEL
 from dspark_flow.result import GenResult
+
+if TYPE_CHECKING:  # the calibration package loads at the first calibrate() call
+    from dspark_flow.calibration import Mode
+    from dspark_flow.strategies.draft_caps.auto import AutoCap
 
 
 def load_target(
@@ -194,17 +198,17 @@ def draft_model_generate(
 def calibrate(
     target: Any,
     drafter: Any = None,
-    mode: str = "lookup",
+    mode: Mode = "lookup",
     target_repo: str | None = None,
     drafter_repo: str | None = None,
     force: bool = False,
     **kwargs: Any,
-) -> Any:
+) -> AutoCap:
     """Measure (or load cached) draft cost curves on this machine; returns an `auto` draft cap
     for `Pipeline(..., draft_cap=...)`. See `dspark_flow.calibration.calibrate`."""
     from dspark_flow.calibration import calibrate as _calibrate
 
-    return _calibrate(target, drafter, mode, target_repo, drafter_repo, force, **kwargs)  # type: ignore[arg-type]
+    return _calibrate(target, drafter, mode, target_repo, drafter_repo, force, **kwargs)
 
 
 # -- trained drafters (DSpark, DFlash) ---------------------------------------------------------

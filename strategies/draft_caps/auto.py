@@ -11,7 +11,8 @@ measured time also updates how far this process's rounds run from what the curve
 (`RoundCostOffset`: the host's speed moves between calibration and use), and that gap is added
 to every cost it plans with (`learn_round_cost: false` plans with the curves alone;
 `round_cost_by_rows: true` learns a ratio per row count instead, drafting rounds apart from
-plain steps: `RoundCostRatios`, off by default, measured on the CPU only). With
+plain steps: `RoundCostRatios`, off by default: measured on the CPU and the H200 and not
+adopted, docs/benchmarks.md §3). With
 `plan_sources_apart: true`, rounds that copy a run from the context (a block drafter's
 `prompt_lookup`) have their own estimate and on/off state and are charged no drafter pass.
 """
