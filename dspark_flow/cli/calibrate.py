@@ -18,7 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated context depths (default: the draft_cap's, else 64,512,2048)",
     )
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats per point (default: the recipe's draft cap's, else 5)",
+    )
     p.add_argument("--json", action="store_true", help="print the curves as JSON")
 
 

@@ -31,7 +31,12 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 def _run_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
     p.add_argument("--prompt", required=True, help="the prompt (use - to read stdin)")
-    p.add_argument("--max-tokens", type=int, default=None, help="override the token budget")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="override the token budget (default: the recipe's max_tokens rule)",
+    )
     p.add_argument("--no-chat", action="store_true", help="send the prompt without chat template")
     p.add_argument("--json", action="store_true", help="print the GenResult as JSON")
     p.add_argument(
