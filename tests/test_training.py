@@ -170,6 +170,30 @@ def test_loss_falls_checkpoints_round_trip_and_resume_continues(embedded, sample
     assert worst < 1e-5, worst
 
 
+def test_a_failed_or_interrupted_checkpoint_save_leaves_no_half_checkpoint(
+    embedded, monkeypatch, tmp_path
+):
+    from dspark_flow.errors import DsparkFlowError
+    from dspark_flow.training import trainer as trainer_module
+
+    model, tok = embedded
+    trainer = DrafterTrainer(
+        small_recipe("dspark", steps=2), progress=False, checkpoints=tmp_path / "c"
+    ).warm_up(model, tok)
+    for failure, raised in [
+        (OSError("disk full"), DsparkFlowError),
+        (KeyboardInterrupt(), KeyboardInterrupt),
+    ]:
+
+        def save(*_, failure=failure):
+            raise failure
+
+        monkeypatch.setattr(trainer_module.mx, "save_safetensors", save)
+        with pytest.raises(raised):
+            trainer.save_checkpoint()
+        assert not list((tmp_path / "c").iterdir()), failure  # neither the temporary nor a step
+
+
 def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, samples, tmp_path):
     import signal
 

@@ -486,12 +486,11 @@ class DrafterTrainer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-        except (OSError, RuntimeError) as e:  # disk full, permissions (mlx raises RuntimeError)
+        except BaseException as e:  # no half checkpoint left behind, whatever stopped the save
             shutil.rmtree(tmp, ignore_errors=True)
-            raise DsparkFlowError(f"cannot write checkpoint {final}: {e}") from e
-        except BaseException:  # a second Ctrl-C mid-save: no half checkpoint left behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if isinstance(e, OSError | RuntimeError):  # disk full, permissions (mlx: RuntimeError)
+                raise DsparkFlowError(f"cannot write checkpoint {final}: {e}") from e
+            raise  # a second Ctrl-C mid-save, say
         for old in sorted(self.checkpoints.glob("step_*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         return final
