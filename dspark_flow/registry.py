@@ -108,12 +108,16 @@ def kind_names(slot: str) -> list[str]:
     return [info.kind for info in installed(slot)]
 
 
+def is_builtin(info: KindInfo) -> bool:
+    """Registered by dspark-flow itself, not by a plugin."""
+    return _normalise(info.distribution) == OWN_DISTRIBUTION
+
+
 def describe_installed(slot: str) -> str:
     """`none, lookup, acme_tree (acme-spec 0.1.0)`: third-party kinds name their source."""
     parts = []
     for info in installed(slot):
-        own = _normalise(info.distribution) == OWN_DISTRIBUTION
-        parts.append(info.kind if own else f"{info.kind} ({info.source})")
+        parts.append(info.kind if is_builtin(info) else f"{info.kind} ({info.source})")
     return ", ".join(parts) or "(none)"
 
 

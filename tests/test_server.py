@@ -172,17 +172,20 @@ def test_cli_reports_a_model_that_fails_to_load_once(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: could not load model"), run.stderr
 
 
-def test_cli_exits_cleanly_on_ctrl_c_after_serving():
-    """The engine thread ran MLX work; streams it leaves to interpreter exit abort the process
-    (exit 134, "terminate called without an active exception")."""
+def test_cli_serves_with_the_environment_key_and_exits_cleanly_on_ctrl_c():
+    """The key in $DSPARK_FLOW_API_KEY is required. The engine thread ran MLX work; streams it
+    leaves to interpreter exit abort the process (exit 134, "terminate called without an
+    active exception")."""
     import json
     import signal
+    import urllib.error
     import urllib.request
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "dspark_flow", "serve", str(RECIPE), "--port", "0", "--no-warmup"],
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "DSPARK_FLOW_API_KEY": "key-from-env"},
     )
     try:
         lines = []
@@ -192,9 +195,13 @@ def test_cli_exits_cleanly_on_ctrl_c_after_serving():
                 break
         url = lines[-1].split(" on ")[-1].strip()
         body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
-        request = urllib.request.Request(
-            url + "/completions", body, {"content-type": "application/json"}
-        )
+        headers = {"content-type": "application/json"}
+        request = urllib.request.Request(url + "/completions", body, headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=120)
+        assert refused.value.code == 401
+        headers["authorization"] = "Bearer key-from-env"
+        request = urllib.request.Request(url + "/completions", body, headers)
         with urllib.request.urlopen(request, timeout=120) as reply:
             assert reply.status == 200
         proc.send_signal(signal.SIGINT)

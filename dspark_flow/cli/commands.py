@@ -117,12 +117,23 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _schema_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout")
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="a readable page of every recipe field, training recipe field and command-line "
+        "flag instead (docs/reference.md, with installed plugin kinds)",
+    )
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from dspark_flow.recipe.jsonschema import recipe_json_schema
+    if args.markdown:
+        from dspark_flow.recipe.reference import reference_markdown
 
-    text = json.dumps(recipe_json_schema(), indent=2)
+        text = reference_markdown(builtin_only=False).rstrip("\n")
+    else:
+        from dspark_flow.recipe.jsonschema import recipe_json_schema
+
+        text = json.dumps(recipe_json_schema(), indent=2)
     if args.output:
         try:
             Path(args.output).write_text(text + "\n", encoding="utf-8")
@@ -246,7 +257,11 @@ COMMANDS: list[Command] = [
     Command("run", "generate from a prompt with a recipe", _run_args, _run),
     Command("validate", "check recipes without loading models", _validate_args, _validate),
     Command(
-        "schema", "print the JSON Schema of recipes (all installed kinds)", _schema_args, _schema
+        "schema",
+        "print the JSON Schema of recipes, or with --markdown a readable reference (all "
+        "installed kinds)",
+        _schema_args,
+        _schema,
     ),
     Command("list", "list installed strategies per slot", _list_args, _list),
     Command("models", "fetch and convert built-in models", _models_args, _models),

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        default=None,  # read from the environment at run time: a default would show in help pages
         help=f"require this key (Bearer or x-api-key); default ${API_KEY_ENV}",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation on load")
@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         raise DsparkFlowError(f"--port must be between 0 and 65535, got {args.port}")
     if args.max_body_bytes < 1:
         raise DsparkFlowError("--max-body-bytes must be at least 1")
-    if args.api_key is not None and not args.api_key.strip():
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
         # `--api-key "$KEY"` with KEY unset would otherwise serve without any key at all.
         raise DsparkFlowError(
             f"the API key (--api-key or ${API_KEY_ENV}) is empty; give a key, or leave both "
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.host.strip():
         raise DsparkFlowError("--host is empty (0.0.0.0 serves every interface, if meant)")
-    if not _is_loopback(args.host) and not args.api_key:
+    if not _is_loopback(args.host) and not api_key:
         log.warning("serving beyond loopback without --api-key", host=args.host)
 
     pipeline = build_pipeline(
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         max_active_bytes=args.max_active_bytes,
     )
     config = ServerConfig.for_recipe(
-        pipeline.recipe, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes
+        pipeline.recipe, api_key=api_key or None, max_body_bytes=args.max_body_bytes
     )
     sock = bind(args.host, args.port)  # fail fast on a taken port, before loading the model
     engine = Engine(pipeline, warmup=not args.no_warmup, max_active_bytes=args.max_active_bytes)

@@ -23,7 +23,7 @@ _LINES = re.compile(r"^\s*(\d+)?\s*-\s*(\d+)?\s*$")
 
 class TrainTarget(Section):
     model: str = Field(DEFAULT_MODEL, description="builtin:<name>, hub repo id or local dir")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
     weights: WeightFormat = Field(
         "auto",
         description="format the frozen target runs in while training: auto = float32 on CPU, "
@@ -62,11 +62,11 @@ class PromptFile(Section):
 
 
 class DrafterArch(Section):
-    kind: Literal["dspark", "dflash"] = "dspark"
+    kind: Literal["dspark", "dflash"] = Field("dspark", description="which drafter to train")
     block_size: int = Field(
         7, description="DSpark: drafts per round; DFlash: block incl. the anchor (block-1 drafts)"
     )
-    num_layers: int = Field(3, ge=1, le=16)
+    num_layers: int = Field(3, ge=1, le=16, description="the drafter's decoder layers")
     target_layer_ids: list[int] = Field(
         default_factory=lambda: [1, 8, 15, 22, 29],
         description="target layers whose outputs feed the drafter (-1: the embedding output)",
@@ -121,7 +121,9 @@ class DrafterArch(Section):
 
 
 class DataSpec(Section):
-    prompts: list[PromptFile] = Field(default_factory=list)
+    prompts: list[PromptFile] = Field(
+        default_factory=list, description="prompt files the target answers (self-distillation)"
+    )
     self_prompts: int = Field(
         0, ge=0, description="prompts the target writes itself (Magpie-style) on top of the files"
     )
@@ -131,12 +133,16 @@ class DataSpec(Section):
         description="how self-written user turns begin, one per batch in turn ('' = free); "
         "steers Magpie toward the kinds of request the drafter will serve",
     )
-    self_prompt_temperature: float = Field(1.0, gt=0.0)
-    self_prompt_max_tokens: int = Field(96, ge=8)
+    self_prompt_temperature: float = Field(
+        1.0, gt=0.0, description="temperature at which the target writes its own prompts"
+    )
+    self_prompt_max_tokens: int = Field(96, ge=8, description="longest self-written prompt")
     temperature: float = Field(0.0, ge=0.0, description="temperature of the target's answers")
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus for sampled answers/prompts")
-    max_prompt_tokens: int = Field(384, ge=8)
-    max_new_tokens: int = Field(384, ge=8)
+    max_prompt_tokens: int = Field(
+        384, ge=8, description="prompts longer than this (chat template included) are left out"
+    )
+    max_new_tokens: int = Field(384, ge=8, description="longest answer the target writes")
     batch_size: int = Field(64, ge=1, description="sequences generated side by side")
     system: str | None = Field(None, description="system message for the chat template")
     cache_dir: str | None = Field(
@@ -173,23 +179,23 @@ class LossSpec(Section):
 
 
 class TrainSpec(Section):
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(1000, ge=1, description="optimizer steps in all (a resumed run included)")
     batch_size: int = Field(16, ge=1, description="sequences per step")
     seq_len: int = Field(512, ge=16, description="sequences are cut/padded to this many tokens")
     anchors_per_seq: int = Field(
         32, ge=1, description="blocks sampled per sequence per step (at most seq_len)"
     )
-    lr: float = Field(6e-4, gt=0.0)
+    lr: float = Field(6e-4, gt=0.0, description="AdamW's peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays to lr * this")
-    warmup_steps: int = Field(50, ge=0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
+    warmup_steps: int = Field(50, ge=0, description="linear warmup from lr / 100 to lr")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW's decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0.0, description="gradients are clipped to this global norm")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="drafter compute dtype: auto = float32 on CPU, bfloat16 on GPUs"
     )
-    loss: LossSpec = LossSpec()
-    checkpoint_every: int = Field(250, ge=1)
-    log_every: int = Field(10, ge=1)
+    loss: LossSpec = Field(LossSpec(), description="weights of the loss terms")
+    checkpoint_every: int = Field(250, ge=1, description="steps between checkpoints")
+    log_every: int = Field(10, ge=1, description="steps between loss records")
     seed: int = Field(0, ge=0, lt=2**63, description="same seed, same batches and init")
     compile: bool = Field(True, description="mx.compile the step (off: easier debugging)")
     init_from: str | None = Field(
@@ -201,28 +207,33 @@ class TrainSpec(Section):
 
 
 class EvalSpec(Section):
-    prompts: list[PromptFile] = Field(default_factory=list)
-    max_new_tokens: int = Field(128, ge=1)
+    prompts: list[PromptFile] = Field(
+        default_factory=list,
+        description="held-out prompt files whose decoded acceptance (τ) is measured per category",
+    )
+    max_new_tokens: int = Field(128, ge=1, description="tokens decoded per evaluation prompt")
 
 
 class ExportSpec(Section):
     quantize: Literal[4, 8] | None = Field(
         4, description="bits of the shipped matrices (embedding included); null keeps floats"
     )
-    group_size: Literal[32, 64, 128] = 32
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    group_size: Literal[32, 64, 128] = Field(32, description="weights per quantization scale")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="type of the shipped float parameters (norms, scales)"
+    )
 
 
 class TrainRecipe(Section):
-    version: Literal[1] = 1
+    version: Literal[1] = Field(1, description="recipe format version")
     name: str = Field(description="names the output and cache directories")
-    description: str | None = None
-    target: TrainTarget = TrainTarget()
-    drafter: DrafterArch = DrafterArch()
-    data: DataSpec
-    train: TrainSpec = TrainSpec()
-    eval: EvalSpec = EvalSpec()
-    export: ExportSpec = ExportSpec()
+    description: str | None = Field(None, description="free text for the reader")
+    target: TrainTarget = Field(TrainTarget(), description="the frozen model drafts are for")
+    drafter: DrafterArch = Field(DrafterArch(), description="the drafter's architecture")
+    data: DataSpec = Field(description="prompts and how the target answers them")
+    train: TrainSpec = Field(TrainSpec(), description="the optimisation")
+    eval: EvalSpec = Field(EvalSpec(), description="acceptance on held-out prompts after training")
+    export: ExportSpec = Field(ExportSpec(), description="the shipped drafter's weight format")
     output: str | None = Field(None, description="drafter directory (default: ./drafters/<name>)")
 
     @field_validator("name")

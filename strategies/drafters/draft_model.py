@@ -29,8 +29,10 @@ from dspark_flow.strategy import (
 class DraftModelConfig(StrategyConfig):
     kind: Literal["draft_model"] = "draft_model"
     model: str = Field(..., description="builtin:<name>, hub repo id or local mlx-lm directory")
-    revision: str | None = None
-    weights: WeightFormat = "auto"
+    revision: str | None = Field(None, description="hub revision of the draft model to pin")
+    weights: WeightFormat = Field(
+        "auto", description="the draft model's weight format, chosen as the target's is"
+    )
 
 
 class DraftModelDrafter(Drafter):
