@@ -871,10 +871,9 @@ def test_a_recorded_trace_replays_the_real_loop_exactly(embedded, kind):
             result = real.generate(prompt, max_new_tokens=MAX_NEW)
             replayed = replay(FixedCap(FixedCapConfig(k=k)), trace, curves, block=8)
             assert trace.num_tokens == result.num_tokens and trace.end >= trace.num_tokens
-            # Round for round; the last one can differ in length only (past a stop token the
-            # trace has no truth to match drafts against), never in time.
-            assert len(replayed.accept_lengths) == len(result.accept_lengths)
-            assert replayed.accept_lengths[:-1] == result.accept_lengths[:-1]
+            # Round for round, the last one included: both count it up to the stop.
+            assert replayed.accept_lengths == result.accept_lengths
+            assert sum(replayed.accept_lengths) == trace.end - 1
 
 
 def test_auto_just_below_break_even_loses_little():

@@ -129,7 +129,9 @@ def replay(cap: DraftCap, trace: DraftTrace, curves: Curves, block: int) -> Repl
         out.seconds += seconds
         out.rounds += 1
         out.chosen[max(k, 0)] += 1
-        out.accept_lengths.append(accepted + 1)
+        # A round whose drafts run to the trace's end commits no bonus token past it: the loop
+        # stops at the end (a stop token or the budget), and counts the round up to there.
+        out.accept_lengths.append(min(accepted + 1, trace.end - j))
         cap.observe(proposed, accepted, seconds, source)  # learns the charge as a round time
         j += accepted + 1
     out.tokens = max(0, trace.num_tokens - 1)
