@@ -107,16 +107,18 @@ class DraftAttention(nn.Module):
         return self.output(self.attend(q, k, v, ctx_k, ctx_v, mask))
 
     def project(self, x: mx.array, pos: int | mx.array, rope: Any) -> tuple[mx.array, ...]:
-        """The block's query, key and value heads (RoPE'd at positions pos..)."""
-        n = x.shape[1]
-        q = self.q_norm(self.q_proj(x).reshape(1, n, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        """The query, key and value heads of rows `x` (batch, n, hidden) at positions pos..,
+        RoPE'd by `rope(heads, offset=pos)` (training passes one that places each row)."""
+        b, n = x.shape[:2]
+        q = self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=pos)
         k, v = self.keys_values(x, pos, rope)
         return q, k, v
 
     def output(self, out: mx.array) -> mx.array:
         """Heads merged back into rows, then the output projection."""
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, out.shape[2], -1))
+        b, n = out.shape[0], out.shape[2]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
     def attend(
         self,

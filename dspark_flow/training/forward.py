@@ -1,9 +1,10 @@
 """The drafter's training pass: every sampled block of a batch in one batched forward.
 
-It reuses the inference modules (`DrafterBackbone`, its `DraftLayer`s and their projections), so
-the weights trained are the weights loaded later; only attention differs in form: all blocks of
-a sequence are concatenated into one query run with an explicit mask (blocks.py) instead of one
-block at a time, and block rows get RoPE at per-row positions. tests/test_training.py checks this
+It reuses the inference modules (`DrafterBackbone`, its `DraftLayer`s, their projections and
+`DraftAttention.project`/`output`), so the weights trained are the weights loaded later; only
+attention differs in form: all blocks of a sequence are concatenated into one query run with an
+explicit mask (blocks.py) instead of one block at a time, and block rows get RoPE at per-row
+positions. tests/test_training.py checks this
 pass against the inference drafter, block by block.
 """
 
@@ -39,15 +40,18 @@ def _attend(
     mask: mx.array,
     base: float,
 ) -> mx.array:
-    b, q_len, _ = h.shape
-    q = attn.q_norm(attn.q_proj(h).reshape(b, q_len, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    k = attn.k_norm(attn.k_proj(h).reshape(b, q_len, attn.n_kv, -1)).transpose(0, 2, 1, 3)
-    v = attn.v_proj(h).reshape(b, q_len, attn.n_kv, -1).transpose(0, 2, 1, 3)
-    q, k = rope_at(q, positions, base), rope_at(k, positions, base)
-    k = mx.concatenate([ctx_k, k], axis=2)
-    v = mx.concatenate([ctx_v, v], axis=2)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, q_len, -1))
+    """The inference attention's own steps, with RoPE at each row's position and the mask."""
+
+    def rope(x: mx.array, offset: Any = None) -> mx.array:
+        return rope_at(x, positions, base)
+
+    q, k, v = attn.project(h, 0, rope)
+    # MLX's fused kernel whatever the inference option: the matmul route's mask is one sequence's
+    out = mx.fast.scaled_dot_product_attention(
+        q, mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2),
+        scale=attn.scale, mask=mask,
+    )  # fmt: skip
+    return attn.output(out)
 
 
 def block_hidden(
