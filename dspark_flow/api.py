@@ -14,14 +14,22 @@ from dspark_flow.pipeline import Pipeline, Prompt, build_strategy, stop_strings
 from dspark_flow.recipe.schema import DEFAULT_MODEL
 from dspark_flow.result import GenResult
 
-if TYPE_CHECKING:  # the calibration package loads at the first calibrate() call
+if TYPE_CHECKING:  # these load at first use (mlx-lm, the calibration package, the drafters)
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
     from dspark_flow.calibration import Mode
     from dspark_flow.strategies.draft_caps.auto import AutoCap
+    from dspark_flow.strategies.drafters.block_drafter import BlockDrafter, BlockDrafterConfig
+    from dspark_flow.strategy import DraftCap, Drafter
+
+    # A drafter as the generate functions take it: loaded, or a checkpoint to load
+    DrafterRef = Drafter | str | os.PathLike[str]
 
 
 def load_target(
-    model: str | None = None, revision: str | None = None, weights: str = "auto"
-) -> tuple[Any, Any]:
+    model: str | os.PathLike[str] | None = None, revision: str | None = None, weights: str = "auto"
+) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a target: the embedded default when `model` is None, else `builtin:<name>`, a hub
     repo id or a local mlx-lm directory. Returns (model, tokenizer)."""
     from dspark_flow.models.loading import load
@@ -75,8 +83,8 @@ def sampler_section(
 
 
 def run_recipe(
-    target: Any,
-    tokenizer: Any,
+    target: nn.Module,
+    tokenizer: TokenizerWrapper,
     prompt: Prompt,
     *,
     drafter: dict[str, Any],
@@ -139,15 +147,17 @@ def _passed_on(
     return kwargs
 
 
-def greedy_generate(target: Any, tokenizer: Any, prompt: Prompt, **kwargs: Any) -> GenResult:
+def greedy_generate(
+    target: nn.Module, tokenizer: TokenizerWrapper, prompt: Prompt, **kwargs: Any
+) -> GenResult:
     """Plain decoding (no drafter) - greedy, or sampled when `temperature` > 0."""
     kwargs = _passed_on(greedy_generate, kwargs, ("drafter",))
     return run_recipe(target, tokenizer, prompt, drafter={"kind": "none"}, **kwargs)
 
 
 def lookup_generate(
-    target: Any,
-    tokenizer: Any,
+    target: nn.Module,
+    tokenizer: TokenizerWrapper,
     prompt: Prompt,
     *,
     max_draft_tokens: int = 16,
@@ -169,9 +179,9 @@ def lookup_generate(
 
 
 def draft_model_generate(
-    target: Any,
-    tokenizer: Any,
-    draft: Any,
+    target: nn.Module,
+    tokenizer: TokenizerWrapper,
+    draft: nn.Module,
     prompt: Prompt,
     *,
     max_draft_tokens: int | None = 4,
@@ -196,8 +206,8 @@ def draft_model_generate(
 
 
 def calibrate(
-    target: Any,
-    drafter: Any = None,
+    target: nn.Module,
+    drafter: Drafter | None = None,
     mode: Mode = "lookup",
     target_repo: str | None = None,
     drafter_repo: str | None = None,
@@ -215,15 +225,15 @@ def calibrate(
 
 
 def load_drafter(
-    checkpoint: str,
-    target: Any,
+    checkpoint: str | os.PathLike[str],
+    target: nn.Module,
     *,
     kind: str | None = None,
     revision: str | None = None,
     quantize: int | str | None = "auto",
     dtype: str = "auto",
     **options: Any,
-) -> Any:
+) -> BlockDrafter:
     """Load a DSpark/DFlash drafter checkpoint (local dir, hub id or builtin:<name>) for an
     already loaded `target`; `kind` defaults to what the checkpoint's layout says. The drafter is
     checked against the target (hidden size, vocabulary, depth) and its feature taps installed.
@@ -234,24 +244,30 @@ def load_drafter(
     'auto' it is dequantized to float32 (unless `quantize` is 4 or 8)."""
     from dspark_flow.models.drafter_loading import DEEPSPEC, read_spec
     from dspark_flow.models.loading import resolve_model_path
+    from dspark_flow.strategies.drafters.block_drafter import BlockDrafter
     from dspark_flow.strategy import BuildContext, warm
 
-    checkpoint = _model_ref(checkpoint, "load_drafter: checkpoint")  # type: ignore[assignment]
-    if checkpoint is None:
+    ref = _model_ref(checkpoint, "load_drafter: checkpoint")
+    if ref is None:
         raise ConfigError("load_drafter: checkpoint is a drafter name or path, got None")
     _check_target(target, "load_drafter")
-    path = resolve_model_path(checkpoint, revision)
+    path = resolve_model_path(ref, revision)
     if kind is None:
         kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
-    section = {"kind": kind, "checkpoint": checkpoint, "revision": revision, "quantize": quantize}
+    section = {"kind": kind, "checkpoint": ref, "revision": revision, "quantize": quantize}
     drafter = build_strategy("drafter", {**section, "dtype": dtype, **options})
+    if not isinstance(drafter, BlockDrafter):
+        raise ConfigError(
+            f"load_drafter: kind {kind!r} loads no checkpoint; trained drafters are dspark or "
+            "dflash (lookup_generate and draft_model_generate take the others)"
+        )
     drafter.load_path(path)
     return warm(drafter, BuildContext(model=target, tokenizer=None, recipe=None))
 
 
 def load_pair(
-    target: str | None = None,
-    drafter: str | None = None,
+    target: str | os.PathLike[str] | None = None,
+    drafter: str | os.PathLike[str] | None = None,
     revision: str | None = None,
     *,
     drafter_revision: str | None = None,
@@ -259,7 +275,7 @@ def load_pair(
     quantize: int | str | None = "auto",
     weights: str = "auto",
     **drafter_options: Any,
-) -> tuple[Any, Any, Any, Any]:
+) -> tuple[nn.Module, TokenizerWrapper, BlockDrafter, BlockDrafterConfig]:
     """Load a target and its trained drafter: (model, tokenizer, drafter, drafter config).
 
     With `drafter` None the drafter is looked up by target name in the drafter table (any
@@ -281,7 +297,9 @@ def load_pair(
     return model, tokenizer, loaded, loaded.config
 
 
-def _cap_section(cap_controller: Any, max_draft_tokens: int | None) -> tuple[dict[str, Any], Any]:
+def _cap_section(
+    cap_controller: DraftCap | dict[str, Any] | None, max_draft_tokens: int | None
+) -> tuple[dict[str, Any], DraftCap | None]:
     """(draft_cap recipe section, ready cap object or None)."""
     if cap_controller is None:
         if max_draft_tokens is None:
@@ -300,9 +318,9 @@ def _cap_section(cap_controller: Any, max_draft_tokens: int | None) -> tuple[dic
 
 
 def speculative_generate(
-    target: Any,
-    tokenizer: Any,
-    drafter: Any,
+    target: nn.Module,
+    tokenizer: TokenizerWrapper,
+    drafter: DrafterRef,
     prompt: Prompt,
     *,
     max_new_tokens: int = 300,
@@ -313,7 +331,7 @@ def speculative_generate(
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
     on_text: Callable[[str], None] | None = None,
-    cap_controller: Any = None,
+    cap_controller: DraftCap | dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> GenResult:
     """Speculative decoding with a trained drafter (from `load_pair`/`load_drafter`, or a
@@ -327,18 +345,20 @@ def speculative_generate(
             "speculative_generate needs a drafter: a loaded one (load_pair, load_drafter) or a "
             "checkpoint path or hub id (lookup_generate drafts without one)"
         )
-    if not isinstance(drafter, Drafter):
+    if isinstance(drafter, Drafter):
+        loaded = drafter
+    else:
         name = _model_ref(drafter, "speculative_generate: drafter (a loaded drafter, or)")
-        drafter = load_drafter(name, target)  # type: ignore[arg-type]
+        loaded = load_drafter(name, target)  # type: ignore[arg-type]  # (never None here)
     draft_cap, cap = _cap_section(cap_controller, max_draft_tokens)
-    objects: dict[str, Any] = {"drafter": drafter}
+    objects: dict[str, Any] = {"drafter": loaded}
     if cap is not None:
         objects["draft_cap"] = cap
     return run_recipe(
         target,
         tokenizer,
         prompt,
-        drafter=drafter.config.model_dump(),
+        drafter=loaded.config.model_dump(),
         draft_cap=draft_cap,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -353,8 +373,11 @@ def speculative_generate(
 
 
 def load_dflash_pair(
-    repo: str, revision: str | None = None, *, quantize: int | str | None = "auto"
-) -> tuple[Any, Any, Any, Any]:
+    repo: str | os.PathLike[str],
+    revision: str | None = None,
+    *,
+    quantize: int | str | None = "auto",
+) -> tuple[nn.Module, TokenizerWrapper, BlockDrafter, BlockDrafterConfig]:
     """A target and its DFlash drafter from either name: a DFlash drafter repo listed in the
     drafter table (its target is loaded too), or a target (its DFlash drafter is looked up)."""
     from dspark_flow.models.drafter_loading import resolve_target
@@ -388,9 +411,9 @@ def load_dflash_pair(
 
 
 def dflash_generate(
-    target: Any,
-    tokenizer: Any,
-    drafter: Any,
+    target: nn.Module,
+    tokenizer: TokenizerWrapper,
+    drafter: DrafterRef,
     prompt: Prompt,
     *,
     max_draft_tokens: int | None = None,

@@ -274,6 +274,7 @@ def test_the_api_names_objects_of_the_wrong_kind(embedded):
         (lambda: load_drafter(None, model), "checkpoint is a drafter name or path"),
         (lambda: load_drafter("builtin:smollm2-135m-dspark", tok), "target is a loaded model"),
         (lambda: load_drafter("builtin:smollm2-135m-dspark", None), "target is a loaded model"),
+        (lambda: load_drafter("builtin:smollm2-135m-dspark", model, kind="lookup"), "drafter lookup: checkpoint"),
         (lambda: greedy_generate(model, tok, [{"role": "user", "content": None}]), r"prompt\[0\].content: expected text"),
         (lambda: greedy_generate(model, tok, [{"role": "user", "content": 5}]), r"got int"),
         (lambda: greedy_generate(model, tok, "hi", on_text=5), "on_text is a function"),
