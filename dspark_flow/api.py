@@ -206,8 +206,8 @@ def draft_model_generate(
 
 
 def calibrate(
-    target: nn.Module,
-    drafter: Drafter | None = None,
+    target: nn.Module | tuple[nn.Module, TokenizerWrapper],
+    drafter: Drafter | nn.Module | None = None,
     mode: Mode = "lookup",
     target_repo: str | None = None,
     drafter_repo: str | None = None,
@@ -251,18 +251,31 @@ def load_drafter(
     if ref is None:
         raise ConfigError("load_drafter: checkpoint is a drafter name or path, got None")
     _check_target(target, "load_drafter")
+    if kind is not None and not issubclass(_drafter_class(kind), BlockDrafter):
+        raise ConfigError(  # before anything is downloaded
+            f"load_drafter: kind {kind!r} loads no checkpoint; trained drafters are dspark or "
+            "dflash (lookup_generate and draft_model_generate take the others)"
+        )
     path = resolve_model_path(ref, revision)
     if kind is None:
         kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
     section = {"kind": kind, "checkpoint": ref, "revision": revision, "quantize": quantize}
     drafter = build_strategy("drafter", {**section, "dtype": dtype, **options})
-    if not isinstance(drafter, BlockDrafter):
-        raise ConfigError(
-            f"load_drafter: kind {kind!r} loads no checkpoint; trained drafters are dspark or "
-            "dflash (lookup_generate and draft_model_generate take the others)"
-        )
+    assert isinstance(drafter, BlockDrafter)  # (its kind was checked above, or is one of ours)
     drafter.load_path(path)
     return warm(drafter, BuildContext(model=target, tokenizer=None, recipe=None))
+
+
+def _drafter_class(kind: Any) -> type:
+    from dspark_flow import registry
+    from dspark_flow.errors import RegistryError
+
+    if not isinstance(kind, str):
+        raise ConfigError(f"load_drafter: kind is a drafter kind's name, got {kind!r}")
+    try:
+        return registry.load_kind("drafter", kind)
+    except RegistryError as e:
+        raise ConfigError(f"load_drafter: {e}") from None
 
 
 def load_pair(

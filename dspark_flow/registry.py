@@ -89,6 +89,15 @@ def installed(slot: str | None = None) -> list[KindInfo]:
     return out
 
 
+def claims(slot: str) -> list[KindInfo]:
+    """Every claim of every kind in `slot`, a kind that two distributions claim twice (the
+    reference page shows each; a recipe naming it is refused), without importing anything."""
+    found, _ = _scan()
+    if slot not in found:
+        raise RegistryError(f"unknown slot '{slot}'; slots: {', '.join(SLOTS)}")
+    return [info for _, infos in sorted(found[slot].items()) for info in infos]
+
+
 def conflicts() -> list[tuple[str, str, list[KindInfo]]]:
     claims, _ = _scan()
     return [
@@ -147,7 +156,13 @@ def lookup(slot: str, kind: str) -> KindInfo:
 @functools.cache
 def load_kind(slot: str, kind: str) -> type[Strategy]:
     """Import the strategy class registered as `<slot>.<kind>`."""
-    info = lookup(slot, kind)
+    return load_claim(lookup(slot, kind))
+
+
+def load_claim(info: KindInfo) -> type[Strategy]:
+    """Import the strategy class of one distribution's claim (`load_kind` refuses a kind that
+    two distributions claim; the reference page still shows each)."""
+    slot, kind = info.slot, info.kind
     module_name, _, attr = info.target.partition(":")
     try:
         obj = importlib.import_module(module_name)

@@ -873,7 +873,6 @@ def test_a_recorded_trace_replays_the_real_loop_exactly(embedded, kind):
             assert trace.num_tokens == result.num_tokens and trace.end >= trace.num_tokens
             # Round for round, the last one included: both count it up to the stop.
             assert replayed.accept_lengths == result.accept_lengths
-            assert sum(replayed.accept_lengths) == trace.end - 1
 
 
 def test_auto_just_below_break_even_loses_little():

@@ -40,14 +40,36 @@ def test_the_page_names_every_builtin_kind_and_command():
     listed = subprocess.run(
         [sys.executable, "-m", "dspark_flow", "list"], capture_output=True, text=True, check=True
     ).stdout
-    for slot_kind in re.findall(r"^(\w+)\.(\w+)\s", listed, flags=re.M):
-        assert f"#### `{slot_kind[0]}: {{kind: {slot_kind[1]}}}`" in page
+    builtin = re.findall(r"^(\w+)\.(\w+)\s+dspark-flow ", listed, flags=re.M)
+    assert len(builtin) >= 18
+    for slot, kind in builtin:
+        assert f"#### `{slot}: {{kind: {kind}}}`\n" in page
     for command in ("run", "validate", "schema", "list", "models", "bench", "serve", "calibrate"):
         assert f"### `dspark-flow {command}`" in page
     # bounds and defaults are the fields' own: a reader sees what validation will enforce
     assert "| `draft_cap.k` | integer (≥ 1, ≤ 1024) | `4` |" in page
     assert "| `stop[].limit` | integer (≥ 1) | `256` |" in page
     assert "| `train.loss.ce` | number (≥ 0.0) | `1.0` |" in page
+    assert "| `data.prompts[].path` | string | required |" in page  # a list of sections
+    assert "fill in `verifier: {kind: kernels, invariant: true," in page  # TOOL_DEFAULTS
+
+
+def test_a_plugin_claiming_a_builtin_kind_leaves_the_committed_page_alone(fake_plugin):
+    source = """
+        from typing import Literal
+        from dspark_flow.strategy import Drafter, StrategyConfig
+
+        class OtherConfig(StrategyConfig):
+            kind: Literal["lookup"] = "lookup"
+
+        class OtherLookup(Drafter):
+            Config = OtherConfig
+        """
+    fake_plugin("acme-spec", "0.1.0", {"drafter.lookup": "acme_spec:OtherLookup"}, source)
+    assert reference_markdown(builtin_only=True) == PAGE.read_text(encoding="utf-8")
+    every = reference_markdown(builtin_only=False)
+    assert "#### `drafter: {kind: lookup}`\n" in every  # ours, and theirs with its source:
+    assert "#### `drafter: {kind: lookup}` (from acme-spec 0.1.0)" in every
 
 
 def test_a_plugin_kind_is_on_the_cli_page_but_not_the_committed_one(fake_plugin, tmp_path):
@@ -69,6 +91,7 @@ def test_a_plugin_kind_is_on_the_cli_page_but_not_the_committed_one(fake_plugin,
     fake_plugin("acme-spec", "0.1.0", {"drafter.acme_tree": "acme_spec:TreeDrafter"}, source)
     assert "acme_tree" not in reference_markdown(builtin_only=True)
     every = reference_markdown(builtin_only=False)
+    assert "#### `drafter: {kind: acme_tree}` (from acme-spec 0.1.0)" in every
     assert "| `drafter.width` | integer (≥ 1) | `2` | branches per slot |" in every
     assert "drafter `acme_tree`: a tree of drafts." in every
 

@@ -22,7 +22,6 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from dspark_flow import registry
-from dspark_flow.errors import RegistryError
 from dspark_flow.log import get_logger
 from dspark_flow.recipe.section import Section
 from dspark_flow.strategy import SLOTS
@@ -84,6 +83,8 @@ def _bounds(field: FieldInfo) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
+        if field.default_factory_takes_validated_data:
+            return "computed from the other fields"
         value = field.default_factory()  # type: ignore[call-arg]
     elif field.default is PydanticUndefined:
         return "required"
@@ -93,19 +94,21 @@ def _default(field: FieldInfo) -> str:
         return "(section below)"
     if isinstance(value, enum.Enum):
         value = value.value
-    return f"`{json.dumps(value)}`"
+    return f"`{json.dumps(value, default=str)}`"  # (a plugin's default may be a Path or so)
 
 
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _sections_in(annotation: Any) -> Iterator[type[Section]]:
-    """Section classes a field can hold (nested tables follow the one they sit in)."""
+def _sections_in(annotation: Any, path: str) -> Iterator[tuple[str, type[Section]]]:
+    """(path, section class) for each section a field at `path` can hold, `path[]` inside a
+    list (nested tables follow the one they sit in)."""
     if isinstance(annotation, type) and issubclass(annotation, Section):
-        yield annotation
+        yield path, annotation
+    inner = f"{path}[]" if get_origin(annotation) in (list, tuple) else path
     for arg in get_args(annotation):
-        yield from _sections_in(arg)
+        yield from _sections_in(arg, inner)
 
 
 def _fields_table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
@@ -113,7 +116,7 @@ def _fields_table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = (
     if not shown:
         return ["No settings besides `kind`."]
     rows = ["| field | type | default | what it does |", "|---|---|---|---|"]
-    nested: list[tuple[str, type[Section]]] = []
+    nested: list[tuple[str, type[Section]]] = []  # (path, section)
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -123,15 +126,15 @@ def _fields_table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = (
             kind = f"{kind} ({bounds})"
         about = _cell(field.description or "")
         rows.append(f"| `{prefix}{name}` | {kind} | {_default(field)} | {about} |")
-        nested.extend((f"{prefix}{name}.", s) for s in _sections_in(field.annotation))
+        nested.extend(_sections_in(field.annotation, f"{prefix}{name}"))
     lines = rows
     seen: set[type[Section]] = set()
-    for sub_prefix, section in nested:
+    for path, section in nested:
         if section in seen:
             continue
         seen.add(section)
-        lines += ["", f"`{sub_prefix[:-1]}` as a section:", ""]
-        lines += _fields_table(section, sub_prefix)
+        lines += ["", f"`{path}` as a section:", ""]
+        lines += _fields_table(section, f"{path}.")
     return lines
 
 
@@ -142,27 +145,46 @@ def _first_paragraph(text: str | None) -> str:
 # -- the page -------------------------------------------------------------------------------------
 
 
-def _kinds(slot: str, builtin_only: bool) -> Iterator[tuple[str, type]]:
-    for info in registry.installed(slot):
-        if builtin_only and not registry.is_builtin(info):
-            continue
-        try:
-            yield info.kind, registry.load_kind(slot, info.kind)
-        except RegistryError as e:  # one broken plugin must not cost the page of every kind
-            get_logger().warning(
-                "kind left out of the reference", slot=slot, kind=info.kind, error=str(e)
-            )
+def _flow(section: dict[str, Any]) -> str:
+    """A recipe section as YAML's one-line form: `{kind: kernels, invariant: true}`."""
+
+    def value(v: Any) -> str:
+        return v if isinstance(v, str) and v.isidentifier() else json.dumps(v)
+
+    return "{" + ", ".join(f"{k}: {value(v)}" for k, v in section.items()) + "}"
+
+
+def _kind_part(slot: str, info: registry.KindInfo) -> list[str]:
+    cls = registry.load_claim(info)
+    about = _first_paragraph(cls.__doc__) or _first_paragraph(sys.modules[cls.__module__].__doc__)
+    source = "" if registry.is_builtin(info) else f" (from {info.source})"
+    lines = [f"#### `{slot}: {{kind: {info.kind}}}`{source}", ""]
+    if about:
+        lines += [about, ""]
+    prefix = f"{slot}[]." if slot == "stop" else f"{slot}."
+    return [*lines, *_fields_table(cls.Config, prefix, skip=("kind",)), ""]
 
 
 def _recipe_part(builtin_only: bool) -> list[str]:
-    from dspark_flow.recipe.schema import SLOT_DEFAULTS, PromptSpec, TargetSpec
+    from dspark_flow.recipe.schema import (
+        SLOT_DEFAULTS,
+        TOOL_DEFAULTS,
+        PromptSpec,
+        RecipeShape,
+        TargetSpec,
+    )
 
+    tool = "; ".join(f"`{slot}: {_flow(section)}`" for slot, section in TOOL_DEFAULTS.items())
     lines = [
-        "## Recipes (`dspark-flow run`, `bench`, `serve`, `calibrate`)",
+        "## Recipes (`dspark-flow run`, `validate`, `bench`, `serve`, `calibrate`)",
         "",
-        "Top level: `version` (1), `name`, `description`, then the sections below. A slot left",
-        "out takes the default kind named under it (the command line's `run`, `bench`,",
-        "`calibrate` and `serve` fill in the `kernels` verifier instead, where a recipe names none).",
+        "A slot left out takes the default kind named under it. The command line (`run`,",
+        f"`validate`, `bench`, `calibrate`) and `serve` fill in {tool} instead, where a recipe",
+        "names none.",
+        "",
+        "### Top level",
+        "",
+        *_fields_table(RecipeShape, "", skip=(*SLOT_DEFAULTS, "target", "prompt")),
         "",
         "### `target`",
         "",
@@ -181,16 +203,15 @@ def _recipe_part(builtin_only: bool) -> list[str]:
         )
         shape = "a list of rules, each with its `kind`" if slot == "stop" else "one `kind`"
         lines += ["", f"### `{slot}`", "", f"{shape.capitalize()}; default: {kinds}.", ""]
-        for kind, cls in _kinds(slot, builtin_only):
-            about = _first_paragraph(cls.__doc__) or _first_paragraph(
-                sys.modules[cls.__module__].__doc__
-            )
-            lines += [f"#### `{slot}: {{kind: {kind}}}`", ""]
-            if about:
-                lines += [about, ""]
-            prefix = f"{slot}[]." if slot == "stop" else f"{slot}."
-            lines += _fields_table(cls.Config, prefix, skip=("kind",))
-            lines.append("")
+        for info in registry.claims(slot):
+            if builtin_only and not registry.is_builtin(info):
+                continue
+            try:
+                lines += _kind_part(slot, info)
+            except Exception as e:  # one broken plugin must not cost the page of every kind
+                get_logger().warning(
+                    "kind left out of the reference", slot=slot, kind=info.kind, error=str(e)
+                )
     return lines
 
 

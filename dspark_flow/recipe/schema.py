@@ -63,9 +63,12 @@ class PromptSpec(Section):
 class RecipeShape(Section):
     """Step one: everything but the contents of the slot sections."""
 
-    version: Literal[1] = 1
-    name: str | None = None
-    description: str | None = None
+    version: Literal[1] = Field(1, description="recipe format version")
+    name: str | None = Field(
+        None,
+        description="names the recipe's column in bench reports and the model id serve answers with",
+    )
+    description: str | None = Field(None, description="free text for the reader")
     target: TargetSpec = TargetSpec()
     prompt: PromptSpec = PromptSpec()
     drafter: dict[str, Any] = Field(default_factory=lambda: dict(SLOT_DEFAULTS["drafter"]))

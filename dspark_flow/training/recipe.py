@@ -220,7 +220,9 @@ class ExportSpec(Section):
     )
     group_size: Literal[32, 64, 128] = Field(32, description="weights per quantization scale")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="type of the shipped float parameters (norms, scales)"
+        "bfloat16",
+        description="type of the shipped float tensors: norms, quantization scales and biases, and "
+        "every matrix when quantize is null",
     )
 
 
