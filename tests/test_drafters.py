@@ -469,6 +469,20 @@ def test_per_module_stored_quantization_and_cpu_dequantization(tmp_path, monkeyp
     model = _load_model(path, quantize=8)
     assert isinstance(model.embed_tokens, nn.QuantizedEmbedding) and model.embed_tokens.bits == 4
 
+    # quantize null dequantizes on any backend: to the dtype asked for, else bfloat16 on a GPU.
+    for backend, dtype, want_dtype in (("cpu", "bfloat16", mx.bfloat16), ("cuda", "auto", mx.bfloat16),
+                                       ("cuda", "float32", mx.float32)):  # fmt: skip
+        monkeypatch.setattr("dspark_flow.models.backend.backend_name", lambda b=backend: b)
+        model = _load_model(path, quantize=None, dtype=dtype)
+        modules = dict(model.named_modules()).values()
+        assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in modules)
+        assert all(v.dtype == want_dtype for _, v in tree_flatten(model.parameters()))
+        emb = mx.dequantize(stored["embed_tokens.weight"],
+                            stored["embed_tokens.scales"].astype(mx.float32),
+                            stored["embed_tokens.biases"].astype(mx.float32),
+                            group_size=32, bits=4)  # fmt: skip
+        assert mx.array_equal(model.embed_tokens.weight, emb.astype(want_dtype)).item()
+
 
 def test_quantized_drafter_loads_by_default_and_is_lossless(tmp_path, tok):
     path, _, _ = _mixed_quant_checkpoint(tmp_path)

@@ -370,9 +370,9 @@ def load_drafter_weights(
     """Fill `model` from the checkpoint, cast float params, quantize if asked; returns it.
 
     A float checkpoint is quantized to `quantize` bits ('auto': 4 on GPU backends, none on CPU).
-    A stored-quantized checkpoint keeps its own quantization (never re-quantized), except that on
-    the CPU backend with dtype 'auto' it is dequantized to float32 unless `quantize` explicitly
-    asks for 4 or 8 bits."""
+    A stored-quantized checkpoint keeps its own quantization (never re-quantized), except that it
+    is dequantized where `quantize` is None (to `dtype`; 'auto': float32 on the CPU backend,
+    bfloat16 elsewhere) and on the CPU backend with both 'auto' (to float32)."""
     tensors = read_tensors(spec.path)
     if spec.layout == DFLASH2:
         for name in ("predecessor_codebook", "successor_codebook"):
@@ -384,11 +384,14 @@ def load_drafter_weights(
         nn.quantize(model, class_predicate=lambda p, m: dict(plan[p]) if p in plan else False)
     load_checked(model, tensors, spec.path)
     bits = resolve_quantize(quantize)
-    if plan and dtype == "auto" and quantize in ("auto", None) and _on_cpu():
+    target_dtype = compute_dtype(dtype)
+    if plan and (quantize is None or (quantize == "auto" and dtype == "auto" and _on_cpu())):
         from dspark_flow.models.backend import dequantize_model
 
-        return dequantize_model(model, mx.float32)  # also casts (and evaluates) the rest
-    target_dtype = compute_dtype(dtype)
+        # (MLX's CPU matmul is quantized at K times one row's cost; on GPUs a float drafter
+        # may run its block's rows cheaper than a quantized one: the option lets one measure)
+        float_dtype = target_dtype or (mx.float32 if _on_cpu() else mx.bfloat16)
+        return dequantize_model(model, float_dtype)  # also casts (and evaluates) the rest
     if target_dtype is not None:
         model.set_dtype(target_dtype)
     if bits and not plan:

@@ -72,7 +72,8 @@ class BlockDrafterConfig(StrategyConfig):
         "auto",
         description="quantize a float checkpoint's matrices to 4 or 8 bits at load (null: keep "
         "float); auto = 4 on GPU backends, none on the CPU backend. A checkpoint stored "
-        "quantized keeps its own quantization",
+        "quantized keeps its own quantization, except that null dequantizes it (to dtype; auto: "
+        "float32 on the CPU backend, bfloat16 elsewhere)",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
