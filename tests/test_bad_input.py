@@ -104,6 +104,8 @@ def test_zero_repeats_are_refused_not_replaced(capsys):
     recipe = str(REPO / "recipes" / "lookup_auto.yaml")
     assert main(["calibrate", recipe, "--repeats", "0", "--depths", "16"]) == 2
     assert "--repeats" in _one_error_line(capsys)
+    assert main(["calibrate", recipe, "--depths", ""]) == 2  # not the defaults
+    assert "--depths" in _one_error_line(capsys)
     assert main(["bench", QUICKSTART, "--verify-repeats", "0"]) == 2
     assert "--verify-repeats" in _one_error_line(capsys)
 
@@ -133,6 +135,11 @@ def test_train_check_reads_the_prompt_files_and_the_flags(tmp_path, capsys):
     assert "--time-limit" in _one_error_line(capsys)
     assert main(["train", recipe, "--check", "--data-worker", "foo"]) == 2
     assert "expected I/N" in _one_error_line(capsys)
+    # --check refuses what the run would refuse (it used to say ok to both)
+    assert main(["train", recipe, "--check", "--data-worker", "0/2"]) == 2
+    assert "runs the data stage only" in _one_error_line(capsys)
+    assert main(["train", recipe, "--check", "--stage", "eval"]) == 2
+    assert "names no eval.prompts" in _one_error_line(capsys)
     # Output problems that export used to find only after training.
     afile = tmp_path / "afile"
     afile.write_text("mine")

@@ -147,8 +147,9 @@ def test_the_key_ignores_what_changes_between_runs_of_one_device(tiny, monkeypat
         "PLACEHOLDER_WRONG_SHAPE",
         "PLACEHOLDER_ZERO",
         "PLACEHOLDER_INF",
+        "PLACEHOLDER_SHORT",
     ],
-    ids=["corrupt", "wrong-version", "malformed-curves", "zero-cost", "infinite-cost"],
+    ids=["corrupt", "wrong-version", "malformed-curves", "zero-cost", "infinite-cost", "short"],
 )
 def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, content):
     store = CurveStore(tmp_path)
@@ -156,6 +157,10 @@ def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, c
     if content == "PLACEHOLDER_WRONG_SHAPE":
         data = json.loads(path.read_text())
         data["curves"]["verify"] = [[1.0, 2.0]]  # one row for two depths
+        content = json.dumps(data)
+    elif content == "PLACEHOLDER_SHORT":  # consistent, but k = 0 only: it would never draft
+        data = json.loads(path.read_text())
+        data["curves"]["verify"] = [row[:1] for row in data["curves"]["verify"]]
         content = json.dumps(data)
     elif content.startswith("PLACEHOLDER_"):  # a cost no measurement gives
         data = json.loads(path.read_text())

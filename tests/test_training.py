@@ -351,6 +351,48 @@ def test_ctrl_c_in_a_training_run_records_the_call_and_skips_export(embedded, tm
 
 
 @pytest.mark.slow
+def test_a_damaged_shard_is_named_and_made_again_and_exports_keep_their_record(
+    embedded, tmp_path, monkeypatch
+):
+    """A flipped byte in a data shard is one line where data is only read (it was an internal
+    BadZipFile error) and the data stage makes the shard again; an export whose later stages
+    fail leaves the drafter its card and summary (the export used to drop both until the end
+    of the call, so a failure or Ctrl-C in between lost them)."""
+    import json
+
+    from dspark_flow.training import run as run_module
+    from dspark_flow.training.run import run_training
+    from dspark_flow.training.trainer import work_dir
+
+    recipe = TrainRecipe.model_validate(run_spec(tmp_path, "damaged", steps=1, new_tokens=16))
+    out = tmp_path / "drafter"
+    try:
+        run_training(recipe, stages=("data", "train", "export"), progress=False)
+        shard = tmp_path / "data" / "shard_00000.npz"
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(DsparkFlowError, match="damaged") as info:
+            run_training(recipe, stages=("vocab",), progress=False)
+        assert "\n" not in str(info.value)
+        run_training(recipe, stages=("data",), progress=False)  # makes the shard again
+        run_training(recipe, stages=("vocab",), progress=False)
+
+        def fails(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise DsparkFlowError("the recount failed")
+
+        monkeypatch.setattr(run_module, "write_vocab", fails)
+        with pytest.raises(DsparkFlowError, match="the recount failed"):
+            run_training(recipe, stages=("export",), progress=False)
+        record = json.loads((out / "train_summary.json").read_text())
+        assert record["exported_step"] == 1 and record["train"]["steps"] == 1
+        card = (out / "README.md").read_text()
+        assert card.startswith(f"# {recipe.name}\n") and "1 steps of 2 sequences" in card
+    finally:
+        shutil.rmtree(work_dir(recipe), ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
     """A warm start that is not there fails before the data is made and before --fresh
     removes anything; an unreadable checkpoint is named in one line, not an internal error."""
@@ -379,6 +421,9 @@ def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
         with pytest.raises(DsparkFlowError, match="is unreadable") as info:
             run_training(recipe, stages=("train",), progress=False)
         assert str(saved[-1]) in str(info.value) and "\n" not in str(info.value)
+        (saved[-1] / "trainer.json").write_text('{"step": 1, "history": 5}')  # was a TypeError
+        with pytest.raises(DsparkFlowError, match="history is not a list"):
+            run_training(recipe, stages=("train",), progress=False)
         (saved[-1] / "trainer.json").write_text('{"step": 1}')
         weights = saved[-1] / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])

@@ -203,6 +203,14 @@ def key_digest(key: dict[str, Any]) -> str:
 # -- the store ---------------------------------------------------------------------------------
 
 
+def _check_covers(curves: Curves, settings: dict[str, Any]) -> None:
+    """Curves that measure less than their key asked for (a damaged or hand-edited file) are
+    not used: a cap would read the missing k as impossible and never draft them."""
+    block = settings.get("block")
+    if isinstance(block, int) and curves.block < block:
+        raise ValueError(f"the curves cover k up to {curves.block}, the key asks for {block}")
+
+
 class CurveStore:
     """JSON files `<dir>/<digest>.json` holding {"version", "key", "curves"}."""
 
@@ -228,7 +236,9 @@ class CurveStore:
                 return None
             if data.get("key") != key:  # a digest collision or a hand-edited file
                 return None
-            return Curves.from_dict(data["curves"])
+            curves = Curves.from_dict(data["curves"])
+            _check_covers(curves, key.get("settings") or {})
+            return curves
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             log.warning("calibration cache malformed, re-measuring", path=str(path), error=str(e))
             return None

@@ -4,6 +4,7 @@ target and drafter on this machine, print them, and cache them for `calibrated`/
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from dspark_flow.cli.args import add_recipe
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_flow.calibration.controller import verifier_identity
     from dspark_flow.calibration.obtain import drafter_block, obtain_curves
     from dspark_flow.calibration.store import CurveStore
+    from dspark_flow.models.context import context_limit
     from dspark_flow.pipeline import Pipeline
     from dspark_flow.recipe.load import load_recipe
     from dspark_flow.recipe.schema import TOOL_DEFAULTS
@@ -83,13 +85,15 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides, TOOL_DEFAULTS)  # what `run` would build
     settings = _cap_settings(recipe)
     depths = settings.get("depths") or [64, 512, 2048]
-    if args.depths:
+    if args.depths is not None:  # an empty --depths "" is a slip, not the defaults
         try:
             depths = [int(d) for d in args.depths.split(",") if d.strip()]
         except ValueError:
             raise DsparkFlowError(
                 f"--depths {args.depths}: expected integers like 64,512"
             ) from None
+        if not depths:
+            raise DsparkFlowError(f"--depths {args.depths!r}: expected integers like 64,512")
     repeats = args.repeats if args.repeats is not None else settings.get("repeats") or 5
     if repeats < 1 or not depths or min(depths) < 1:
         raise DsparkFlowError("--repeats and every depth must be at least 1")
@@ -122,6 +126,13 @@ def run(args: argparse.Namespace) -> int:
 
         print_json({"path": str(path) if path else None, "measured": measured, **curves.to_dict()})
         return 0
+    if dropped := sorted(set(depths) - set(curves.depths)):
+        limit = context_limit(c.model)
+        print(
+            f"note: depths {', '.join(map(str, dropped))} leave no room for a verify in this "
+            f"model's context ({limit} tokens): measured at {', '.join(map(str, curves.depths))}",
+            file=sys.stderr,
+        )
     print(format_curves(curves, settings.get("acceptance", 0.6)))
     if path is None:  # the store logged why
         print("[measured; not cached: the calibration cache could not be written]")

@@ -48,18 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_flow.training.data import DataWorker
     from dspark_flow.training.recipe import check_output, load_train_recipe
-    from dspark_flow.training.run import STAGES, run_training
+    from dspark_flow.training.run import STAGES, check_call, run_training
 
     recipe = load_train_recipe(args.recipe, args.overrides)
     if args.time_limit is not None and not args.time_limit > 0:
         raise DsparkFlowError(
             f"--time-limit {args.time_limit}: must be a positive number of seconds"
         )
-    if args.data_worker is not None:  # "" too: an empty share is a slip, not "all of it"
-        DataWorker.parse(args.data_worker)  # a malformed I/N fails here, --check or not
     stages = tuple(args.stage) if args.stage else STAGES
+    # A malformed I/N ("" too: an empty share is a slip, not "all of it"), a worker outside
+    # the data stage, an eval with no prompts: refused here, --check or not.
+    check_call(recipe, stages, args.data_worker)
     if args.check:  # (a run checks the output itself, in run_training, before any work)
         check_output(recipe, args.recipe, args.replace)
         start = recipe.train.init_from
@@ -84,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(summary, indent=2))
-    elif not {"eval", "train", "data", "vocab"} & summary.keys():
+    elif not {"eval", "train", "data", "vocab", "exported_step"} & summary.keys():
         raise DsparkFlowError("nothing was run")
     return 0

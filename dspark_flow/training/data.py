@@ -505,14 +505,21 @@ def _shard_name(i: int) -> str:
     return f"shard_{i:05d}.npz"
 
 
-def _shard_ok(path: Path, key: str) -> bool:
+def _read_shard(path: Path, key: str) -> dict[str, np.ndarray] | None:
+    """A shard's arrays, or None where it is missing, stale (another key), torn or damaged:
+    every member is read, so the zip's checksums catch a flipped byte anywhere in it."""
     if not path.is_file():
-        return False
+        return None
     try:
         with np.load(path, allow_pickle=False) as z:
-            return str(z["key"]) == key
-    except Exception:  # a torn or foreign file: regenerate it
-        return False
+            arrays = {name: z[name] for name in z.files}
+        return arrays if str(arrays["key"]) == key else None
+    except Exception:  # a torn, damaged or foreign file: regenerate it
+        return None
+
+
+def _shard_ok(path: Path, key: str) -> bool:
+    return _read_shard(path, key) is not None
 
 
 # What the data stage writes in its cache folder (temporaries: `files.write_atomic`'s hidden
@@ -741,7 +748,9 @@ def load_samples(cache_dir: Path) -> list[Sample]:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise DsparkFlowError(f"{cache_dir}: no training data (run build_dataset first)") from None
+        raise DsparkFlowError(
+            f"{cache_dir}: no training data (run the data stage first: --stage data)"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DsparkFlowError(f"{path}: unreadable manifest ({exc})") from None
     chunks = manifest.get("chunks") if isinstance(manifest, dict) else None
@@ -759,15 +768,15 @@ def load_samples(cache_dir: Path) -> list[Sample]:
     samples: list[Sample] = []
     for i in range(chunks):
         shard = cache_dir / _shard_name(i)
-        if not _shard_ok(shard, key):
+        z = _read_shard(shard, key)
+        if z is None:
             raise DsparkFlowError(
-                f"{cache_dir}: training data incomplete ({shard.name} missing or stale); "
-                "rerun to resume generation"
+                f"{cache_dir}: training data incomplete ({shard.name} missing, stale or "
+                "damaged); rerun the data stage to make it again"
             )
-        with np.load(shard, allow_pickle=False) as z:
-            tokens, offsets = z["tokens"], z["offsets"]
-            for j, (plen, source) in enumerate(zip(z["prompt_lens"], z["sources"], strict=True)):
-                samples.append(
-                    Sample(tokens[offsets[j] : offsets[j + 1]].copy(), int(plen), str(source))
-                )
+        tokens, offsets = z["tokens"], z["offsets"]
+        for j, (plen, source) in enumerate(zip(z["prompt_lens"], z["sources"], strict=True)):
+            samples.append(
+                Sample(tokens[offsets[j] : offsets[j + 1]].copy(), int(plen), str(source))
+            )
     return samples

@@ -17,11 +17,15 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dspark_flow.errors import DsparkFlowError
 from dspark_flow.files import write_atomic, write_text_atomic
 from dspark_flow.log import get_logger
 from dspark_flow.training.recipe import TrainRecipe, check_against_target
+
+if TYPE_CHECKING:
+    from dspark_flow.training.data import DataWorker
 
 log = get_logger(__name__)
 STAGES = ("data", "train", "export", "eval")  # the default run; export writes the vocab too
@@ -36,6 +40,8 @@ CARD_TRAIN_SETTINGS = {
     "grad_clip",
 }
 SUMMARY = "train_summary.json"
+# What an evaluation adds to a summary (figures that belong to the weights evaluated)
+EVAL_KEYS = ("eval", "eval_device", "eval_command")
 
 
 def device_name() -> str:
@@ -74,11 +80,9 @@ def run_training(
     once past it, and the later stages wait for a rerun, which resumes where it paused.
     `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops.
     `replace` lets export replace a drafter another recipe exported in `output`."""
-    from dspark_flow.errors import DsparkFlowError
     from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import load
     from dspark_flow.training.data import (
-        DataWorker,
         build_dataset,
         data_cache_dir,
         data_shares,
@@ -92,9 +96,7 @@ def run_training(
     from dspark_flow.training.warm_start import require_init_from
 
     t_start = time.perf_counter()
-    worker = DataWorker.parse(data_worker) if data_worker is not None else DataWorker()
-    if worker.count > 1 and set(stages) != {"data"}:
-        raise DsparkFlowError("a data worker (I/N) runs the data stage only: add --stage data")
+    worker = check_call(recipe, stages, data_worker)
     if {"train", "export", "vocab"} & set(stages):  # before hours of work, not after
         check_output(recipe, "recipe " + recipe.name, replace)
     summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
@@ -213,6 +215,11 @@ def run_training(
         trainer.export(out, replace=replace)
         if kept is not None:
             write_atomic(out / VOCAB_FILE, lambda f: f.write(kept))
+        # The export replaced the card and the summary with the folder: record the new weights
+        # at once (without the old weights' evaluation), so that a failure or Ctrl-C in the
+        # stages after it leaves no drafter without its record. The end of the call rewrites it.
+        exported = {**previous, **summary, "size_mb": round(size_mb(out), 2)}
+        _write_record(recipe, out, {k: v for k, v in exported.items() if k not in EVAL_KEYS})
     if "export" in stages or "vocab" in stages:
         try:
             if not producing:
@@ -253,7 +260,6 @@ def run_training(
     own_running = {} if producing else read_json_object(running)
     running_text = json.dumps({**(own_running or previous), **summary}, indent=2) + "\n"
     summary = {**previous, **summary}
-    text = json.dumps(summary, indent=2) + "\n"
     # Someone else's drafter evaluated (a hub download, another recipe's; the stages that
     # write into `output` refuse one): its figures are printed and returned, and neither its
     # card nor this recipe's records take them.
@@ -270,11 +276,29 @@ def run_training(
     # A vocab call records its count with the drafter it belongs to (when there is one).
     recount = "vocab" in stages and (out / "config.json").is_file()
     if out.is_dir() and ("export" in stages or "eval" in stages or recount):
-        write_text_atomic(text, out / SUMMARY)
-        write_card(recipe, out)
+        _write_record(recipe, out, summary)
     if interrupted:  # Ctrl-C: the step, its checkpoint and this call's record are saved
         raise KeyboardInterrupt
     return summary
+
+
+def check_call(recipe: TrainRecipe, stages: tuple[str, ...], data_worker: str | None) -> DataWorker:
+    """What a call asks for that cannot run, in one line before anything loads (`--check`
+    too); returns the data worker it names."""
+    from dspark_flow.training.data import DataWorker
+
+    worker = DataWorker.parse(data_worker) if data_worker is not None else DataWorker()
+    if worker.count > 1 and set(stages) != {"data"}:
+        raise DsparkFlowError("a data worker (I/N) runs the data stage only: add --stage data")
+    if set(stages) == {"eval"} and not recipe.eval.prompts:  # nothing to do, nothing recorded
+        raise DsparkFlowError("--stage eval: the recipe names no eval.prompts to evaluate on")
+    return worker
+
+
+def _write_record(recipe: TrainRecipe, out: Path, summary: dict[str, Any]) -> None:
+    """The drafter's train_summary.json and, from it, its model card."""
+    write_text_atomic(json.dumps(summary, indent=2) + "\n", out / SUMMARY)
+    write_card(recipe, out)
 
 
 def write_vocab(target: Any, samples: list[Any], dirs: tuple[Path, ...]) -> dict[str, Any]:

@@ -637,4 +637,7 @@ def _read_state(ckpt: Path) -> dict[str, Any]:
         state = json.loads((Path(ckpt) / STATE).read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
             raise ValueError(f"{STATE} holds no step")
+        history = state.get("history", [])
+        if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
+            raise ValueError(f"{STATE}'s history is not a list of records")
     return state
