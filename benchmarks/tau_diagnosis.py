@@ -24,6 +24,7 @@ from pathlib import Path
 import dspark_flow  # noqa: F401  (loads OpenBLAS before mlx.core)
 import dspark_flow.training.trainer as trainer_module
 from dspark_flow.api import load_drafter, speculative_generate
+from dspark_flow.models.drafter_loading import quantize_as_stored
 from dspark_flow.training.blocks import sample_blocks
 from dspark_flow.training.data import Sample, _encode, read_prompts
 from dspark_flow.training.recipe import PromptFile, load_train_recipe
@@ -94,9 +95,10 @@ def main() -> int:
     trainer_module.draft_losses = keep_ranks
     tr = trainer_module.DrafterTrainer(recipe, progress=False).warm_up()
     start_from(tr.model, tr.spec, shipped, recipe.drafter.kind, tr.mask_id, tr.compute_dtype)
-    drafter = load_drafter(str(shipped), tr.target, quantize=None)
+    as_shipped = quantize_as_stored(shipped)
+    drafter = load_drafter(str(shipped), tr.target, quantize=as_shipped)
     copying = (
-        load_drafter(str(shipped), tr.target, quantize=None, prompt_lookup=True)
+        load_drafter(str(shipped), tr.target, quantize=as_shipped, prompt_lookup=True)
         if args.lookup
         else None
     )

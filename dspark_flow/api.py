@@ -241,7 +241,8 @@ def load_drafter(
     `quantize` ('auto', 4, 8 or None) quantizes a float checkpoint at load: 'auto' is 4 bits on
     GPU backends and none on the CPU backend, where MLX's quantized matmul costs K times one row.
     A checkpoint stored quantized keeps its quantization, but on the CPU backend with dtype
-    'auto' it is dequantized to float32 (unless `quantize` is 4 or 8)."""
+    'auto' it is dequantized to float32 (unless `quantize` is 4 or 8), and `quantize=None`
+    dequantizes it anywhere (to `dtype`; 'auto': bfloat16 on GPU backends)."""
     from dspark_flow.models.drafter_loading import DEEPSPEC, read_spec
     from dspark_flow.models.loading import resolve_model_path
     from dspark_flow.strategies.drafters.block_drafter import BlockDrafter

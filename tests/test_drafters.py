@@ -543,6 +543,23 @@ def test_quantize_auto_keeps_a_float_checkpoint_float_on_cpu(tmp_path, monkeypat
         _load_model(path, quantize=3)
 
 
+def test_a_drafter_loads_as_it_ships_on_a_gpu_backend(tmp_path, monkeypatch):
+    # Training's evaluation and the tau diagnosis load the 4-bit export and its float copy
+    # each as it is: neither `auto` (which quantizes a float one) nor None (which now
+    # dequantizes a quantized one) alone does that.
+    from dspark_flow.models.drafter_loading import quantize_as_stored
+
+    monkeypatch.setattr("dspark_flow.models.backend.backend_name", lambda: "cuda")
+    quantized, _, _ = _mixed_quant_checkpoint(tmp_path)
+    cfg = h.deepspec_config(128, VOCAB, 4, [0, 2], head_dim=32)
+    floats = h.write_checkpoint(tmp_path / "f", cfg, h.random_tensors(cfg))
+    assert (quantize_as_stored(quantized), quantize_as_stored(floats)) == ("auto", None)
+    model = _load_model(quantized, quantize=quantize_as_stored(quantized))
+    assert isinstance(model.embed_tokens, nn.QuantizedEmbedding) and model.embed_tokens.bits == 4
+    model = _load_model(floats, quantize=quantize_as_stored(floats))
+    assert type(model.lm_head) is nn.Linear
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 

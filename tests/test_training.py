@@ -378,6 +378,15 @@ def test_a_damaged_shard_is_named_and_made_again_and_exports_keep_their_record(
         run_training(recipe, stages=("data",), progress=False)  # makes the shard again
         run_training(recipe, stages=("vocab",), progress=False)
 
+        # An export-only call records the run its checkpoints came from (it took the output's
+        # record), and no evaluation of the weights it replaced (it kept the old figures).
+        old = json.loads((out / "train_summary.json").read_text())
+        stale = {**old, "eval": {"shipped": {"all": {"tau": 9.9}}}, "train": {"steps": 99}}
+        (out / "train_summary.json").write_text(json.dumps(stale))
+        run_training(recipe, stages=("export",), progress=False)
+        record = json.loads((out / "train_summary.json").read_text())
+        assert "eval" not in record and record["train"]["steps"] == 1
+
         def fails(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             raise DsparkFlowError("the recount failed")
 

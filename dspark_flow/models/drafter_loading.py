@@ -405,6 +405,17 @@ def load_drafter_weights(
     return model
 
 
+def quantize_as_stored(path: Path) -> str | None:
+    """The `quantize` setting that loads a drafter directory as it ships: a stored-quantized
+    one keeps its quantization ('auto'; on the CPU backend it is dequantized to float32, as any
+    drafter there), a float one stays float (None, where 'auto' would quantize it on GPUs)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader names the problem
+    return "auto" if isinstance(config, dict) and config.get("quantization") else None
+
+
 def _on_cpu() -> bool:
     from dspark_flow.models.backend import backend_name
 

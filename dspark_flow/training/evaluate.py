@@ -31,9 +31,11 @@ def evaluate_drafter(
     from tqdm import tqdm
 
     from dspark_flow.api import load_drafter, speculative_generate
+    from dspark_flow.models.drafter_loading import quantize_as_stored
     from dspark_flow.training.data import read_prompts
 
-    drafter = load_drafter(str(drafter_dir), target, quantize=None)
+    # as it ships: the 4-bit export stays 4-bit on GPUs, the float copy float
+    drafter = load_drafter(str(drafter_dir), target, quantize=quantize_as_stored(drafter_dir))
     jobs = [(category_of(spec), p) for spec in prompts for p in read_prompts(spec)]
     totals: dict[str, dict[str, float]] = {}
     for cat, prompt in tqdm(

@@ -114,9 +114,11 @@ def run_training(
     # copy is written by every call; the output's only once the drafter is exported there.
     running = work_dir(recipe) / SUMMARY
     shipped = read_json_object(out / SUMMARY)
-    # Evaluating or exporting a drafter trained elsewhere: its own summary is the record.
+    # Evaluating a drafter trained elsewhere: its own summary is the record. An export writes
+    # this recipe's checkpoints, whose record is the work dir's.
     producing = "data" in stages or "train" in stages
-    previous = (read_json_object(running) or shipped) if producing else shipped
+    ours = producing or "export" in stages
+    previous = (read_json_object(running) or shipped) if ours else shipped
     if producing:
         t0 = time.perf_counter()
         cache = data_cache_dir(recipe)
@@ -258,8 +260,13 @@ def run_training(
     # A call that trains nothing (vocab, export, eval) adds to each record its own: the work
     # dir's (a run perhaps still in progress) and the output's (the drafter shipped there).
     own_running = {} if producing else read_json_object(running)
-    running_text = json.dumps({**(own_running or previous), **summary}, indent=2) + "\n"
+    running_record = {**(own_running or previous), **summary}
     summary = {**previous, **summary}
+    if "export" in stages and "eval" not in stages:  # new weights: the old figures are not theirs
+        for key in EVAL_KEYS:
+            running_record.pop(key, None)
+            summary.pop(key, None)
+    running_text = json.dumps(running_record, indent=2) + "\n"
     # Someone else's drafter evaluated (a hub download, another recipe's; the stages that
     # write into `output` refuse one): its figures are printed and returned, and neither its
     # card nor this recipe's records take them.
