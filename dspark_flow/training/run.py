@@ -260,9 +260,10 @@ def run_training(
     # A call that trains nothing (vocab, export, eval) adds to each record its own: the work
     # dir's (a run perhaps still in progress) and the output's (the drafter shipped there).
     own_running = {} if producing else read_json_object(running)
+    evaluated = "eval" in summary  # by this call (an eval stage without prompts evaluates nothing)
     running_record = {**(own_running or previous), **summary}
     summary = {**previous, **summary}
-    if "export" in stages and "eval" not in stages:  # new weights: the old figures are not theirs
+    if "export" in stages and not evaluated:  # new weights: the old figures are not theirs
         for key in EVAL_KEYS:
             running_record.pop(key, None)
             summary.pop(key, None)
