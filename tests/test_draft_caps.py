@@ -838,6 +838,12 @@ def test_cli_calibrate_and_max_draft(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "verify@16" in out and "[measured:" in out and len(list(tmp_path.iterdir())) == 1
     assert main(args) == 0 and "[cached:" in capsys.readouterr().out
+    # A depth the context cannot hold is measured lower, and the output says so
+    deep = ["calibrate", recipe, "--depths", "16,99999999", "--repeats", "1", "--set",
+            "drafter.max_draft=3"]  # fmt: skip
+    assert main(deep) == 0
+    err = capsys.readouterr().err
+    assert "note: depths 99999999 leave no room" in err and "measured at 16" in err
     blocker = tmp_path / "blocker"
     blocker.write_text("")
     monkeypatch.setenv(ENV_DIR, str(blocker / "sub"))
