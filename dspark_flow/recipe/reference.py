@@ -83,7 +83,8 @@ def _bounds(field: FieldInfo) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        if field.default_factory_takes_validated_data:
+        # (pydantic 2.10 added factories that read the other fields; earlier ones have no flag)
+        if getattr(field, "default_factory_takes_validated_data", False):
             return "computed from the other fields"
         value = field.default_factory()  # type: ignore[call-arg]
     elif field.default is PydanticUndefined:
