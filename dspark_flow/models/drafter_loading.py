@@ -388,8 +388,8 @@ def load_drafter_weights(
     if plan and (quantize is None or (quantize == "auto" and dtype == "auto" and _on_cpu())):
         from dspark_flow.models.backend import dequantize_model
 
-        # (MLX's CPU matmul is quantized at K times one row's cost; on GPUs a float drafter
-        # may run its block's rows cheaper than a quantized one: the option lets one measure)
+        # (MLX's quantized matmul on the CPU costs K times one row, so float32 there; on a
+        # GPU, null lets one measure a float drafter against the shipped 4-bit one)
         float_dtype = target_dtype or (mx.float32 if _on_cpu() else mx.bfloat16)
         return dequantize_model(model, float_dtype)  # also casts (and evaluates) the rest
     if target_dtype is not None:
