@@ -410,10 +410,10 @@ def quantize_as_stored(path: Path) -> str | None:
     one keeps its quantization ('auto'; on the CPU backend it is dequantized to float32, as any
     drafter there), a float one stays float (None, where 'auto' would quantize it on GPUs)."""
     try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+        spec = read_spec(Path(path))
+    except ModelError:
         return None  # the loader names the problem
-    return "auto" if isinstance(config, dict) and config.get("quantization") else None
+    return "auto" if spec.config.get("quantization") else None
 
 
 def _on_cpu() -> bool:

@@ -118,9 +118,8 @@ def _fields_table(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = (
         return ["No settings besides `kind`."]
     rows = ["| field | type | default | what it does |", "|---|---|---|---|"]
     nested: list[tuple[str, type[Section]]] = []  # (path, section)
-    for name, field in model.model_fields.items():
-        if name in skip:
-            continue
+    for name in shown:
+        field = model.model_fields[name]
         kind = _type_name(field.annotation)
         bounds = _bounds(field)
         if bounds:
