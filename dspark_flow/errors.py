@@ -43,7 +43,8 @@ class PromptError(DsparkFlowError):
 
 def validation_message(exc: Exception, what: str) -> str:
     """A pydantic ValidationError as one line naming the field: "what: field: problem"."""
-    errors = exc.errors(include_url=False) if callable(getattr(exc, "errors", None)) else []
+    list_errors = getattr(exc, "errors", None)
+    errors = list_errors(include_url=False) if callable(list_errors) else []
     if not errors:
         return f"{what}: {exc}"
     field = ".".join(str(p) for p in errors[0]["loc"]) or "(settings)"

@@ -9,10 +9,10 @@ budget) swap in fresh strategy objects for that request only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from numbers import Integral, Real
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.nn as nn
 from pydantic import ValidationError
@@ -50,12 +50,11 @@ def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strate
     if isinstance(config, dict):
         cls = registry.load_kind(slot, str(config.get("kind")))
         try:
-            config = cls.Config.model_validate(config)
+            validated = cls.Config.model_validate(config)
         except ValidationError as exc:
             raise ConfigError(validation_message(exc, f"{slot} {config.get('kind')}")) from None
-    else:
-        cls = registry.load_kind(slot, config.kind)
-    return construct(cls, config)
+        return construct(cls, validated)
+    return construct(registry.load_kind(slot, config.kind), config)
 
 
 def stop_strings(stop: str | Sequence[str] | None, what: str = "stop strings") -> list[str]:
@@ -235,7 +234,7 @@ class Pipeline:
                 messages.append({"role": "system", "content": self.recipe.prompt.system})
             messages.append({"role": "user", "content": prompt})
         else:
-            messages = [dict(m) for m in prompt]
+            messages = [dict(m) for m in cast(Sequence[dict[str, str]], prompt)]
             if not getattr(tok, "has_chat_template", False):
                 raise PromptError(
                     "this model has no chat template: give the prompt as text or token ids, "
@@ -302,7 +301,7 @@ class Pipeline:
         stop: str | Sequence[str] | None = None,
         chat: bool | None = None,
         stream_text: bool = True,
-    ) -> Iterator[Event]:
+    ) -> Generator[Event, None, None]:
         """Yield `TextEvent`s of committed text, then one `DoneEvent` with the `GenResult`."""
         started = time.perf_counter()
         components = self._request_components(max_new_tokens, sampler, stop)

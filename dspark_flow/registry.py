@@ -81,7 +81,7 @@ def installed(slot: str | None = None) -> list[KindInfo]:
     """Every installed kind (first claim of each), without importing anything."""
     claims, _ = _scan()
     slots = [slot] if slot else list(SLOTS)
-    out = []
+    out: list[KindInfo] = []
     for s in slots:
         if s not in claims:
             raise RegistryError(f"unknown slot '{s}'; slots: {', '.join(SLOTS)}")

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from dspark_flow.errors import DsparkFlowError, StrategyError
 from dspark_flow.recipe.section import Section
@@ -113,7 +113,8 @@ class Draft:
     def resolve(self, values: list[int] | None = None) -> Draft:
         """Bring pending ids to the host (from `values`, fetched with others, or a sync)."""
         if self.pending is not None:
-            self.tokens = [int(t) for t in (self.pending.tolist() if values is None else values)]
+            ids = cast("list[int]", self.pending.tolist()) if values is None else values
+            self.tokens = [int(t) for t in ids]
             self.pending = None
         return self
 
@@ -222,6 +223,13 @@ class Sampler(Strategy):
     def sample(self, logits: mx.array) -> mx.array:
         """Draw one token per row of `logits` (lazy, no host sync)."""
         raise NotImplementedError
+
+    def sample_from(self, probs: mx.array) -> mx.array:
+        """Draw one token from a distribution `probs()` already made (drafters that keep their
+        q draw through this). Samplers with a seeded random stream draw from it instead."""
+        import mlx.core as mx  # this module loads without MLX (recipes validate without it)
+
+        return mx.random.categorical(mx.log(probs))
 
     # True where verify() takes a draft whose ids are still `pending` and resolves them in its
     # sync; drafters hand pending drafts only to such samplers.

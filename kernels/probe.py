@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from dspark_flow.arrays import as_float
 from dspark_flow.files import write_text_atomic
 from dspark_flow.log import get_logger
 
@@ -52,7 +53,7 @@ def environment() -> dict[str, str]:
     """What a verdict depends on besides the shape: backend, device name, MLX version, and the
     CPU's BLAS (which library, how many threads: its blocking decides the CPU's row-invariant
     spans, and co-prefill runs on it)."""
-    from dspark_flow.models.backend import backend_name, blas_status
+    from dspark_flow.models.backend import backend_name, blas_status, mlx_version
 
     try:
         device = str(mx.device_info().get("device_name", "unknown"))
@@ -62,7 +63,7 @@ def environment() -> dict[str, str]:
     library = str(status.get("openblas")) if status.get("active") else "reference"
     threads = os.environ.get("OPENBLAS_NUM_THREADS") or str(os.cpu_count())
     blas = f"{library}|threads={threads}"
-    return {"backend": backend_name(), "device": device, "mlx": mx.__version__, "blas": blas}
+    return {"backend": backend_name(), "device": device, "mlx": mlx_version(), "blas": blas}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -242,8 +243,8 @@ def relative_error(out: Any, ref: mx.array) -> float:
     """max |out - ref| / max |ref|; inf when shapes or dtypes differ or values are not finite."""
     if not isinstance(out, mx.array) or out.shape != ref.shape or out.dtype != ref.dtype:
         return float("inf")
-    diff = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    scale = mx.abs(ref.astype(mx.float32)).max().item()
+    diff = as_float(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max())
+    scale = as_float(mx.abs(ref.astype(mx.float32)).max())
     err = diff / max(scale, 1e-30)
     return err if err == err else float("inf")  # NaN -> inf
 
@@ -348,20 +349,24 @@ def _identity(kernel: Op | None, real: tuple[str, str, Op]) -> tuple[str, str, O
 # -- the qmm_small_m probe -----------------------------------------------------------------
 
 
+# A quantized matmul's arguments: x, w, scales, biases, group_size, bits.
+QmmArgs = tuple[mx.array, mx.array, mx.array, mx.array | None, int, int]
+
+
 def qmm_inputs(
     rows: int, n: int, k: int, bits: int, group_size: int, x_dtype: mx.Dtype, s_dtype: mx.Dtype
-) -> Callable[[int], tuple[Any, ...]]:
+) -> Callable[[int], QmmArgs]:
     """Random (x, w, scales, biases, group_size, bits) for one verify shape."""
 
-    def make(seed: int) -> tuple[Any, ...]:
+    def make(seed: int) -> QmmArgs:
         kx, kw = mx.random.split(mx.random.key(seed))
         x = mx.random.normal((rows, k), key=kx).astype(x_dtype)
         w, s, b = mx.quantize(
             mx.random.normal((n, k), key=kw) * 0.05, group_size=group_size, bits=bits
         )
-        inputs = (x, w, s.astype(s_dtype), b.astype(s_dtype))
-        mx.eval(inputs)
-        return (*inputs, group_size, bits)
+        s, b = s.astype(s_dtype), b.astype(s_dtype)
+        mx.eval(x, w, s, b)
+        return x, w, s, b, group_size, bits
 
     return make
 
@@ -448,7 +453,7 @@ def probe_dense_span(
     fmt = f"dense-{dtype_name(w_dtype)}"
     key = ProbeKey.make("dense_row_span", "1", fmt, max_rows, n, k, dtype_name(dtype))
 
-    def make(seed: int) -> tuple[Any, ...]:
+    def make(seed: int) -> tuple[mx.array, mx.array, None, None, int, int]:
         kx, kw = mx.random.split(mx.random.key(seed))
         x = mx.random.normal((max_rows, k), key=kx).astype(dtype)
         w = (mx.random.normal((n, k), key=kw) * 0.05).astype(w_dtype)

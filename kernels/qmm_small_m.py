@@ -279,14 +279,18 @@ def layout_reason(
 
 def _kernel(backend: str) -> Any:
     if backend not in _kernels:
-        names = {"input_names": ["x", "w", "scales", "biases"], "output_names": ["out"]}
+        inputs, outputs = ["x", "w", "scales", "biases"], ["out"]
         if backend == "cuda":
             _kernels[backend] = mx.fast.cuda_kernel(
-                name=KERNEL_NAME, source=_CUDA_SOURCE, header=_CUDA_HEADER, **names
+                name=KERNEL_NAME,
+                input_names=inputs,
+                output_names=outputs,
+                source=_CUDA_SOURCE,
+                header=_CUDA_HEADER,
             )
         else:
             _kernels[backend] = mx.fast.metal_kernel(
-                name=KERNEL_NAME, source=_METAL_SOURCE, **names
+                name=KERNEL_NAME, input_names=inputs, output_names=outputs, source=_METAL_SOURCE
             )
     return _kernels[backend]
 

@@ -80,11 +80,11 @@ def chunked(chunk: int):
 def invariant_span(
     x: mx.array,
     w: mx.array,
-    scales: mx.array,
+    scales: mx.array | None,
     biases: mx.array | None,
     group_size: int,
     bits: int,
-    matmul=qmm_stock_reference,
+    matmul: Callable[..., mx.array] = qmm_stock_reference,
 ) -> int:
     """The largest M (0..rows of x) such that for every M' <= M each row of `matmul` over the
     first M' rows of x equals, bit for bit, `matmul` over that row alone (computed again)."""

@@ -108,6 +108,21 @@ def test_bad_prompt_file_is_one_error(tmp_path, content, needle):
         load_prompts([bad])
 
 
+def test_ready_prompts_take_the_limit_per_category_and_no_files_beside_them(tmp_path):
+    from dspark_flow.bench.api import bench
+    from dspark_flow.bench.prompts import first_per_category
+
+    ready = [BenchPrompt(f"{c}-{i}", c, f"{c} {i}") for i in range(3) for c in ("chat", "code")]
+    kept = first_per_category(ready, 2)
+    assert [p.id for p in kept] == ["chat-0", "code-0", "chat-1", "code-1"]
+    assert first_per_category(ready, None) == ready
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text('{"category": "chat", "turns": ["hi"]}\n')
+    # A mix was handed to the file reader, which failed on the BenchPrompt with a TypeError.
+    with pytest.raises(DsparkFlowError, match="not a mix"):
+        bench([RECIPES / "lookup.yaml"], [ready[0], prompts_file])
+
+
 def test_cli_refuses_unparseable_prompts(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json at all\n")

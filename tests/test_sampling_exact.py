@@ -13,7 +13,7 @@ import pytest
 from scipy.stats import chisquare
 
 from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler, processed_probs
-from dspark_flow.strategy import Draft
+from dspark_flow.strategy import Draft, Sampler
 
 ALPHA = 1e-4
 
@@ -86,3 +86,43 @@ def test_processed_probs_truncation():
     assert np.allclose(min_p, [0.4 / 0.7, 0.3 / 0.7, 0, 0], atol=1e-6)
     hot = np.array(processed_probs(logits, 0.5, 1.0, 0, 0.0))[0]
     assert np.allclose(hot, np.array([0.16, 0.09, 0.04, 0.01]) / 0.30, atol=1e-6)
+
+
+class _PluginSampler(Sampler):
+    """A third-party sampler with only what a sampler must define: no `sample_from` of its own."""
+
+    Config = SampleConfig
+
+    @property
+    def greedy(self) -> bool:
+        return False
+
+    def probs(self, logits: mx.array) -> mx.array:
+        return mx.softmax(logits.astype(mx.float32), axis=-1)
+
+    def sample(self, logits: mx.array) -> mx.array:
+        return mx.random.categorical(logits)
+
+
+def test_base_sample_from_draws_from_the_given_distribution():
+    sampler = _PluginSampler(SampleConfig(temperature=1.0))
+    mx.random.seed(11)
+    probs = mx.array(P[0])
+    draws = np.array([sampler.sample_from(probs).item() for _ in range(3000)])
+    assert fit_ok(np.bincount(draws, minlength=5), P[0]) > ALPHA
+
+
+def test_draft_model_drafts_through_a_sampler_without_sample_from():
+    """The draft-model drafter used to call `sample_from` as if every sampler had one."""
+    from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+    from tests.tiny import tiny_model
+
+    drafter = DraftModelDrafter(DraftModelConfig(model="<tiny>"), model=tiny_model())
+    sampler = _PluginSampler(SampleConfig(temperature=1.0))
+    drafter.begin([1, 2, 3, 4], sampler)
+    draft = drafter.propose([1, 2, 3, 4], 3)
+    assert len(draft.tokens) == 3 and draft.probs is not None
+    assert draft.probs.shape[0] == 3
+    # Each drafted token is one the drafter's own distribution gives weight to.
+    for i, token in enumerate(draft.tokens):
+        assert draft.probs[i, token].item() > 0

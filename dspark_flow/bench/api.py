@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dspark_flow.bench.prompts import BenchPrompt, load_prompts, select_categories
+from dspark_flow.bench.prompts import (
+    BenchPrompt,
+    first_per_category,
+    load_prompts,
+    select_categories,
+)
 from dspark_flow.bench.runner import BenchConfig, Progress
 from dspark_flow.errors import DsparkFlowError
 
@@ -104,10 +109,11 @@ def bench(
     if not recipes:
         raise DsparkFlowError("name at least one recipe")
     # Prompts first: a bad prompts file should fail before minutes of model loading.
-    if prompts and all(isinstance(p, BenchPrompt) for p in prompts):
-        items = list(prompts)  # type: ignore[arg-type]
-    else:
-        items = load_prompts(list(prompts), limit)  # type: ignore[arg-type]
+    ready = [p for p in prompts if isinstance(p, BenchPrompt)]
+    files = [p for p in prompts if not isinstance(p, BenchPrompt)]
+    if ready and files:
+        raise DsparkFlowError("prompts: give prompt files or BenchPrompts, not a mix of both")
+    items = first_per_category(ready, limit) if ready else load_prompts(files, limit)
     items = select_categories(items, categories)
 
     from dspark_flow.bench.plan import add_spec_baselines, plan_recipes

@@ -168,7 +168,7 @@ def plan_recipes(
             comps = pipe.components
             assert comps is not None
             key: Any = id(comps.model)
-            fmt = pipe.recipe.target.weights
+            fmt: str = pipe.recipe.target.weights
             label = f"{pipe.recipe.target.model} (in memory)"
             model, tok = comps.model, comps.tokenizer
         else:

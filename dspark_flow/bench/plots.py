@@ -47,7 +47,9 @@ def speed_chart(data: dict[str, Any], path: Path) -> Path:
         modes = list(dict.fromkeys(r["mode"] for r in rows))
         width = 0.8 / len(modes)
         for i, mode in enumerate(modes):
-            xs, meds, errs = [], [], [[], []]
+            xs: list[float] = []
+            meds: list[float] = []
+            errs: list[list[float]] = [[], []]
             for j, cat in enumerate(cats):
                 row = next((r for r in rows if r["mode"] == mode and r["category"] == cat), None)
                 stat = row["decode_tok_s"] if row else None

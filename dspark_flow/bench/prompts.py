@@ -111,6 +111,19 @@ def load_prompts(paths: Sequence[str | Path] = (), limit: int | None = None) -> 
     return prompts
 
 
+def first_per_category(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
+    """The first `limit` prompts of each category (all of them when `limit` is None), in order."""
+    if limit is None:
+        return prompts
+    taken: dict[str, int] = {}
+    kept = []
+    for prompt in prompts:
+        if taken.get(prompt.category, 0) < limit:
+            taken[prompt.category] = taken.get(prompt.category, 0) + 1
+            kept.append(prompt)
+    return kept
+
+
 def select_categories(prompts: list[BenchPrompt], categories: Sequence[str]) -> list[BenchPrompt]:
     """Only the prompts of these categories (an unknown name is an error, not an empty run)."""
     if not categories:

@@ -52,7 +52,7 @@ def collect_meta(targets: list[dict[str, str]], command: str) -> dict[str, Any]:
     from dspark_flow.models.backend import backend_name, blas_status
 
     backend = backend_name()
-    device_info = getattr(mx, "device_info", lambda: {})()
+    device_info: dict[str, Any] = getattr(mx, "device_info", lambda: {})()
     formats = sorted({t["weight_format"] for t in targets})
     meta: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -102,7 +102,7 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def _cell(stat: dict[str, float | None], digits: int = 1, scale: float = 1.0) -> str:
-    med, lo, hi = (None if stat[k] is None else stat[k] * scale for k in ("median", "min", "max"))
+    med, lo, hi = (None if (v := stat[k]) is None else v * scale for k in ("median", "min", "max"))
     if med is None:
         return "-"
     if lo == hi:
@@ -207,7 +207,16 @@ def mismatch_lines(mismatches: list[dict[str, Any]]) -> list[str]:
 def render_markdown(data: dict[str, Any]) -> str:
     meta = data["meta"]
     lines = ["# dspark-flow bench", ""]
-    keys = ("interrupted", "date", "command", "machine", "cpu", "device", "backend", "blas")
+    keys: tuple[str, ...] = (
+        "interrupted",
+        "date",
+        "command",
+        "machine",
+        "cpu",
+        "device",
+        "backend",
+        "blas",
+    )
     keys += ("weight_format",)
     keys += ("load_avg_start", "load_avg_end")
     keys += ("mlx_version", "mlx_lm_version", "dspark_flow_version")

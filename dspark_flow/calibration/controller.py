@@ -42,6 +42,7 @@ from dspark_flow.strategy import (
     BuildContext,
     DraftCap,
     StrategyConfig,
+    Verifier,
     construct,
     warm,
 )
@@ -465,7 +466,11 @@ class CurveCap(DraftCap):
     @property
     def _costs_by_rows(self) -> bool:
         cfg = self.config
-        return self.adaptive and getattr(cfg, "learn_round_cost", False) and cfg.round_cost_by_rows
+        return (
+            self.adaptive
+            and getattr(cfg, "learn_round_cost", False)
+            and getattr(cfg, "round_cost_by_rows", False)
+        )
 
     def cost_scales(self, limit: int) -> tuple[float, ...] | None:
         """What rounds drafting 0..limit tokens take over the curves' charge, as learnt
@@ -711,11 +716,13 @@ def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
     verifier = ctx.verifier
     if verifier is None:
         config = getattr(ctx.recipe, "verifier", None)
-        if config_identity(config) == "reference":
+        if config is None or config_identity(config) == "reference":
             return None, "reference"
         from dspark_flow import registry
 
-        verifier = warm(construct(registry.load_kind("verifier", config.kind), config), ctx)
+        built = warm(construct(registry.load_kind("verifier", config.kind), config), ctx)
+        assert isinstance(built, Verifier)
+        verifier = built
     if verifier_identity(verifier) == "reference":
         return None, "reference"
     return verifier.forward, verifier_identity(verifier)

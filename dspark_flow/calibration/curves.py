@@ -280,12 +280,12 @@ def measure_drafter(
         own = getattr(type(drafter), "after_forward", Drafter.after_forward)
         if grow_context and own is not Drafter.after_forward:  # it reads the target's features
 
-            def grow_context() -> None:  # untimed: the target forwards the anchor, committed
+            def take_one_row() -> None:  # untimed: the target forwards the anchor, committed
                 mx.eval(forward(model, history[-1:], cache))
                 drafter.after_forward(1)
                 history.append(history[len(history) // 2])
 
-            grow = grow_context
+            grow = take_one_row
 
     # A block drafter copying runs first would copy the history's repeated span: time its pass.
     propose = getattr(drafter, "propose_block", drafter.propose)

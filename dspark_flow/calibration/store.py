@@ -53,18 +53,19 @@ def _jsonable(value: Any) -> Any:
 def architecture_fingerprint(model: Any) -> str:
     """Hash of the model's args and every parameter's path, shape and dtype (not values: the
     curves depend on what is computed, not on the numbers)."""
-    from mlx.utils import tree_flatten
+    from dspark_flow.arrays import named_arrays
 
     args = getattr(model, "args", None)
     args_data = vars(args) if args is not None and hasattr(args, "__dict__") else repr(args)
-    params = [(p, list(v.shape), str(v.dtype)) for p, v in tree_flatten(model.parameters())]
+    params = [(p, list(v.shape), str(v.dtype)) for p, v in named_arrays(model.parameters())]
     return _sha256_text(json.dumps([_jsonable(args_data), sorted(params)], default=str))[:16]
 
 
 def weight_format(model: Any) -> str:
     """What the loaded weights are, e.g. 'float32' or 'q4:64+float32' (bits:group + float dtype)."""
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
+
+    from dspark_flow.arrays import named_arrays
 
     quant = sorted(
         {
@@ -75,7 +76,7 @@ def weight_format(model: Any) -> str:
     )
     floats = Counter(
         str(v.dtype).removeprefix("mlx.core.")
-        for _, v in tree_flatten(model.parameters())
+        for _, v in named_arrays(model.parameters())
         if "float" in str(v.dtype)
     )
     main = floats.most_common(1)[0][0] if floats else "none"
@@ -159,7 +160,7 @@ VOLATILE_DEVICE_FIELDS = frozenset({"free_memory", "uuid", "pci_bus_id"})
 def machine_identity() -> dict[str, Any]:
     import mlx.core as mx
 
-    from dspark_flow.models.backend import backend_name, blas_status
+    from dspark_flow.models.backend import backend_name, blas_status, mlx_version
 
     try:
         device = {k: v for k, v in mx.device_info().items() if k not in VOLATILE_DEVICE_FIELDS}
@@ -167,7 +168,7 @@ def machine_identity() -> dict[str, Any]:
         device = {}
     blas = blas_status()
     return {
-        "mlx": mx.__version__,
+        "mlx": mlx_version(),
         "backend": backend_name(),
         "device": _jsonable(device),
         "machine": platform.machine(),

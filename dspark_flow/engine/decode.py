@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from dspark_flow.arrays import as_int
 from dspark_flow.engine.textstream import TextStream
 from dspark_flow.errors import ConfigError, PromptError
 from dspark_flow.models.context import config_vocab_size, context_limit
@@ -191,7 +192,7 @@ def decode(
     c.draft_cap.begin(prompt_ids)
     t_prefill = time.perf_counter()
     cache, logits, forwards = _prefill(c, prompt_ids)
-    generated = [int(c.sampler.sample(logits).item())]
+    generated = [as_int(c.sampler.sample(logits))]
     t_first = time.perf_counter()
 
     accept_lengths: list[int] = []
@@ -265,7 +266,7 @@ def decode(
             if drafting:  # the next round's row, committed when that round reads its token
                 c.drafter.after_forward(1)
             mx.async_eval(ahead)
-            accepted, next_token = 0, int(token.item())
+            accepted, next_token = 0, as_int(token)
         else:
             accepted, next_token = c.sampler.verify(logits, draft)  # resolves a pending draft
         if draft.pending is not None:  # a sampler claiming resolves_pending that did not

@@ -193,6 +193,13 @@ def backend_name() -> str:
     return "cpu"
 
 
+def mlx_version() -> str:
+    """MLX's version (the stubs of mlx.core leave `__version__` out)."""
+    import mlx.core as mx
+
+    return str(getattr(mx, "__version__", "unknown"))
+
+
 def choose_weight_format(requested: str) -> str:
     """Resolve 'auto': float32 on CPU, native (quantized) on GPUs.
 

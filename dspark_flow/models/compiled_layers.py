@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -195,9 +196,8 @@ class CompiledLayers:
         if fn is None:
             gate_up = self.fused.of(mlp) if self.fused is not None else None
             if gate_up is not None:
-                fn = mx.compile(lambda x: _fused_mlp(mlp, x, gate_up))
+                fn = mx.compile(functools.partial(_fused_mlp, mlp, gate_up=gate_up))
             else:
-                call = base_class(type(mlp)).__call__
-                fn = mx.compile(lambda x: call(mlp, x))
+                fn = mx.compile(functools.partial(base_class(type(mlp)).__call__, mlp))
             self._fns[key] = fn
         return fn

@@ -15,6 +15,7 @@ DFlash 2 adds a two-tap grouped dynamic convolution before and after attention a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +131,7 @@ class DraftAttention(nn.Module):
         mask: mx.array | None,
     ) -> mx.array:
         """The block's queries over [context keys, block keys] (heads first)."""
-        if ctx_k is not None:
+        if ctx_k is not None and ctx_v is not None:
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
         if self.matmul_attention:
@@ -291,9 +292,9 @@ class DrafterBackbone(nn.Module):
                 if "attention_conv" in layer:
                     continue
                 compiled[i] = (
-                    mx.compile(lambda x, pos, layer=layer: _layer_pre(layer, rope, x, pos)),
-                    mx.compile(lambda x, out, layer=layer: _layer_post(layer, x, out)),
-                    mx.compile(lambda h, pos, attn=layer.self_attn: attn.keys_values(h, pos, rope)),
+                    mx.compile(functools.partial(_layer_pre, layer, rope)),
+                    mx.compile(functools.partial(_layer_post, layer)),
+                    mx.compile(functools.partial(layer.self_attn.keys_values, rope=rope)),
                 )
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_compiled_context_rows", max_context_rows)
@@ -319,9 +320,10 @@ class DrafterBackbone(nn.Module):
                 k, v = fns[2](h, end)
             else:
                 k, v = layer.self_attn.keys_values(h, state.end, self._rope)
-            if state.keys[i] is not None:
-                k = mx.concatenate([state.keys[i], k], axis=2)
-                v = mx.concatenate([state.values[i], v], axis=2)
+            ctx_k, ctx_v = state.keys[i], state.values[i]
+            if ctx_k is not None and ctx_v is not None:
+                k = mx.concatenate([ctx_k, k], axis=2)
+                v = mx.concatenate([ctx_v, v], axis=2)
             window = self.cfg.window(i)
             if window is not None and k.shape[2] > window - 1:
                 # The anchor (the first query) sees the last window-1 rows; older ones never again.

@@ -24,12 +24,13 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from dspark_flow.arrays import load_arrays
 from dspark_flow.errors import ConfigError, ModelError
 from dspark_flow.models.drafter_backbone import BackboneConfig
 
@@ -232,7 +233,7 @@ def read_tensors(path: Path) -> dict[str, mx.array]:
     tensors: dict[str, mx.array] = {}
     for f in files:
         try:
-            tensors.update(mx.load(str(f)))
+            tensors.update(load_arrays(f))
         except Exception as e:  # a corrupt header or truncated file
             raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from e
     return tensors
@@ -314,7 +315,8 @@ def stored_quantization(
         "mode": str(cfg.get("mode", "affine")),
     }
     plan: dict[str, dict[str, Any]] = {}
-    for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+    leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    for path, module in cast(list[tuple[str, nn.Module]], leaves):
         if path not in quantized or not hasattr(module, "to_quantized"):
             continue  # a stray .scales is reported by load_checked as an unknown tensor
         entry = cfg.get(path)

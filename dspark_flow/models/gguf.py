@@ -265,9 +265,11 @@ def convert_gguf(
     """
     import mlx.core as mx
 
+    from dspark_flow.arrays import load_with_metadata
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     try:
-        tensors, meta = mx.load(str(gguf_path), return_metadata=True)
+        tensors, meta = load_with_metadata(gguf_path)
     except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line text
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelError(f"cannot read GGUF file {gguf_path}: {first}") from e

@@ -13,6 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from dspark_flow.arrays import as_float, as_int
+
 
 @dataclass(frozen=True)
 class RowDifference:
@@ -45,7 +47,7 @@ def row_differences(
         logits = verifier.forward(model, rows[:k], cache)
         mx.eval(logits)
         trim_prompt_cache(cache, k)
-        differ = sum(int(not mx.array_equal(logits[i], one[i]).item()) for i in range(k))
-        worst = max(float(mx.abs(logits[i] - one[i]).max().item()) for i in range(k))
+        differ = sum(int(not as_int(mx.array_equal(logits[i], one[i]))) for i in range(k))
+        worst = max(as_float(mx.abs(logits[i] - one[i]).max()) for i in range(k))
         out[k] = RowDifference(differ, worst)
     return out

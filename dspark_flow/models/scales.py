@@ -24,7 +24,7 @@ log = get_logger()
 def _recording_class(cls: type, seen: dict[int, Any]) -> type:
     def __call__(self: Any, x: Any) -> Any:
         seen[id(self)] = x.dtype
-        return super(recording, self).__call__(x)
+        return super(recording, self).__call__(x)  # type: ignore[arg-type]  # a class, made below
 
     recording = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
     return recording

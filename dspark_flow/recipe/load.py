@@ -118,9 +118,10 @@ def apply_overrides(
         raise RecipeError(f"overrides: expected 'path=value' strings, got {overrides!r}")
     for text in overrides:
         path, value = parse_override(text)
-        slot = data.get(path[0]) if len(path) == 2 and path[0] in filled else None
+        slot_name = str(path[0])
+        slot = data.get(slot_name) if len(path) == 2 and slot_name in filled else None
         if isinstance(slot, dict) and path[1] == "kind" and slot.get("kind") != value:
-            data[path[0]] = {}  # another kind than the default's: its settings may not apply
+            data[slot_name] = {}  # another kind than the default's: its settings may not apply
         node: Any = data
         for i, part in enumerate(path[:-1]):
             nxt = path[i + 1]
@@ -141,15 +142,12 @@ def apply_overrides(
                 )
             node = node[part]
         last = path[-1]
-        if (
-            isinstance(node, list)
-            and isinstance(last, int)
-            and last < len(node)
-            or isinstance(node, dict)
-        ):
-            node[last] = value
-        else:
+        settable = isinstance(node, dict) or (
+            isinstance(node, list) and isinstance(last, int) and last < len(node)
+        )
+        if not settable:
             raise RecipeError(f"--set {text}: cannot set {'.'.join(map(str, path))}")
+        node[last] = value
         touched[tuple(path)] = text
     return touched
 

@@ -151,7 +151,7 @@ def message_response(model: str, done: Finished) -> dict[str, Any]:
 async def stream(job: Job, model: str, prompt_tokens: int) -> AsyncIterator[str]:
     """message_start, content_block_start, ping, text deltas, content_block_stop,
     message_delta (stop_reason, usage, extension field), message_stop."""
-    start = {
+    start: dict[str, Any] = {
         "id": new_id(),
         "type": "message",
         "role": "assistant",

@@ -149,10 +149,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     async def openai_generate(request: Request, chat: bool) -> Response:
         """Chat and text completions differ only in request model, encoding and reply shape."""
-        model_cls = openai_api.ChatCompletionRequest if chat else openai_api.CompletionRequest
-        req = parse_model(model_cls, await begin(request))
-        check_model(req.model)
+        body = await begin(request)
+        req: openai_api.ChatCompletionRequest | openai_api.CompletionRequest
         if chat:
+            req = parse_model(openai_api.ChatCompletionRequest, body)
+        else:
+            req = parse_model(openai_api.CompletionRequest, body)
+        check_model(req.model)
+        if isinstance(req, openai_api.ChatCompletionRequest):
             ids = await run_in_threadpool(encode_chat, engine, req.chat_messages())
         else:
             ids = await run_in_threadpool(encode_text, engine, req.single_prompt())

@@ -33,7 +33,7 @@ class BlockBatch:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return self.labels.shape  # type: ignore[return-value]
+        return self.labels.shape
 
 
 def pad_sequences(

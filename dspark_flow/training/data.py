@@ -11,6 +11,7 @@ so an interrupted run resumes and a changed recipe starts over.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -463,8 +464,8 @@ def _self_prompts(
             if bar is not None:
                 bar.update(1)
         batch += 1
-        body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        write_text_atomic(body, path, durable=True)
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        write_text_atomic(lines, path, durable=True)
     if bar is not None:
         bar.close()
     if len(prompts) < want:
@@ -683,14 +684,14 @@ def _fill_cache(
                 bar.set_postfix(tok_s=f"{new_tokens / max(gen_seconds, 1e-9):.0f}")
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(r) for r in rows])
-        arrays = {
+        arrays: dict[str, Any] = {
             "tokens": np.concatenate(rows) if rows else np.zeros(0, np.int32),
             "offsets": offsets,
             "prompt_lens": np.array(plens, dtype=np.int64),
             "sources": np.array(sources, dtype=np.str_) if sources else np.zeros(0, "U1"),
             "key": np.array(key),
         }
-        write_atomic(cache / _shard_name(ci), lambda f, a=arrays: np.savez(f, **a), durable=True)
+        write_atomic(cache / _shard_name(ci), functools.partial(np.savez, **arrays), durable=True)
     if bar is not None:
         bar.close()
     if worker.count > 1:  # what this share cost, for the record of the call that completes the set

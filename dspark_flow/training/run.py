@@ -47,7 +47,7 @@ EVAL_KEYS = ("eval", "eval_device", "eval_command")
 def device_name() -> str:
     import mlx.core as mx
 
-    from dspark_flow.models.backend import backend_name
+    from dspark_flow.models.backend import backend_name, mlx_version
 
     backend = backend_name()
     try:
@@ -60,7 +60,7 @@ def device_name() -> str:
         or platform.processor()
         or platform.machine()
     )
-    return f"{backend} ({name}, mlx {mx.__version__})"
+    return f"{backend} ({name}, mlx {mlx_version()})"
 
 
 def run_training(

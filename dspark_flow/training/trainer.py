@@ -29,9 +29,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from dspark_flow.arrays import load_arrays, named_arrays
 from dspark_flow.errors import DsparkFlowError
 from dspark_flow.log import get_logger
 from dspark_flow.models.backend import dense_weight
+from dspark_flow.models.drafter_backbone import DrafterBackbone
 from dspark_flow.training.blocks import BlockBatch, sample_blocks
 from dspark_flow.training.export import WEIGHTS, drafter_config, write_drafter
 from dspark_flow.training.forward import block_hidden
@@ -171,7 +173,7 @@ class DrafterTrainer:
         self._step_fn = self._make_step()
         return self
 
-    def _build_drafter(self, dims: dict[str, Any]) -> nn.Module:
+    def _build_drafter(self, dims: dict[str, Any]) -> DrafterBackbone:
         import tempfile
 
         from dspark_flow.models.drafter_loading import read_spec
@@ -186,10 +188,8 @@ class DrafterTrainer:
         if self.recipe.drafter.kind == "dspark":
             from dspark_flow.strategies.drafters.dspark import DSparkModel
 
-            model = DSparkModel(spec)
+            model: DrafterBackbone = DSparkModel(spec)
         else:
-            from dspark_flow.models.drafter_backbone import DrafterBackbone
-
             model = DrafterBackbone(spec.backbone)
         model.set_dtype(self.compute_dtype)
         if "embed_tokens" in model:
@@ -213,8 +213,8 @@ class DrafterTrainer:
             # in the hundreds and a first CE near 150).
             model.norm.weight = (0.1 * final_norm.weight).astype(self.compute_dtype)
         mx.eval(model.parameters())
-        n_train = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-        n_all = sum(v.size for _, v in tree_flatten(model.parameters()))
+        n_train = sum(v.size for _, v in named_arrays(model.trainable_parameters()))
+        n_all = sum(v.size for _, v in named_arrays(model.parameters()))
         log.info("drafter built", kind=self.recipe.drafter.kind, trainable=n_train, total=n_all)
         return model
 
@@ -280,6 +280,7 @@ class DrafterTrainer:
         positions whose next token each draft predicts (B, N, S, V)."""
         hidden = self.inner(tokens)
         feats = self.taps.take(self.recipe.drafter.target_layer_ids)
+        assert feats is not None, "the forward above fills every tap"
         if self.recipe.drafter.kind != "dspark":
             return mx.stop_gradient(feats), None
         b, n, s = aligned.shape
@@ -288,14 +289,23 @@ class DrafterTrainer:
         return mx.stop_gradient(feats), mx.stop_gradient(logits)
 
     def _loss(
-        self, model: nn.Module, feats, t_logits, block_ids, block_pos, mask, labels, prev, weights
-    ):  # noqa: ANN001
+        self,
+        model: DrafterBackbone,
+        feats: mx.array,
+        t_logits: mx.array | None,
+        block_ids: mx.array,
+        block_pos: mx.array,
+        mask: mx.array,
+        labels: mx.array,
+        prev: mx.array,
+        weights: mx.array,
+    ) -> tuple[mx.array, dict[str, mx.array]]:
         b, n, s = labels.shape
         bs = self.recipe.drafter.block_size
         h = block_hidden(model, feats, self._embed(block_ids), block_pos, mask)
         h = h.reshape(b, n, bs, -1)[:, :, self.first_slot : self.first_slot + s]
         logits = self._logits(h).astype(mx.float32)
-        markov = model.get("markov_head") if isinstance(model, nn.Module) else None
+        markov = model.get("markov_head")
         if markov is not None:
             e = markov.markov_w1(prev)
             if markov.kind == "gated":
@@ -514,7 +524,7 @@ class DrafterTrainer:
         self._check_same_source(ckpt)
         with _unreadable(ckpt):
             self.model.load_weights(str(ckpt / WEIGHTS), strict=True)
-            opt_state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER)).items()))
+            opt_state = tree_unflatten(list(load_arrays(ckpt / OPTIMIZER).items()))
         self.optimizer.state = opt_state
         self.step = int(state["step"])
         self.history = list(state.get("history", []))
@@ -546,11 +556,11 @@ class DrafterTrainer:
         if ckpt is None:
             raise DsparkFlowError(f"no checkpoint in {self.checkpoints} (run the train stage)")
         with _unreadable(ckpt):
-            weights = mx.load(str(Path(ckpt) / WEIGHTS))
-        frozen = {k for k, _ in tree_flatten(self.model.parameters())} - {
-            k for k, _ in tree_flatten(self.model.trainable_parameters())
+            weights = load_arrays(Path(ckpt) / WEIGHTS)
+        frozen = {k for k, _ in named_arrays(self.model.parameters())} - {
+            k for k, _ in named_arrays(self.model.trainable_parameters())
         }
-        shapes = {k: tuple(v.shape) for k, v in tree_flatten(self.model.parameters())}
+        shapes = {k: tuple(v.shape) for k, v in named_arrays(self.model.parameters())}
         expected = set(shapes)
         wrong = [k for k, v in weights.items() if k in shapes and tuple(v.shape) != shapes[k]]
         if wrong:

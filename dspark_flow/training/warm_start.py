@@ -136,7 +136,9 @@ def start_from(
     }
     # A drafter this command trained says how it was made (best effort, as every record here).
     summary = read_json_object(source / "train_summary.json")
-    train = summary.get("train") if isinstance(summary.get("train"), dict) else {}
+    train = summary.get("train")
+    if not isinstance(train, dict):
+        train = {}
     if isinstance(train.get("steps"), int):
         record["steps"] = train["steps"]
         record["recipe"] = summary.get("recipe")

@@ -18,7 +18,7 @@ class FixedCap(DraftCap):
     Config = FixedCapConfig
     config: FixedCapConfig
 
-    reads_source = False  # type: ignore[assignment]  # the same k whatever the source
+    reads_source = False  # the same k whatever the source
 
     def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         return self.config.k if drafter_max is None else min(self.config.k, drafter_max)

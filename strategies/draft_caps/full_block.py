@@ -20,7 +20,7 @@ class FullBlockCap(DraftCap):
     Config = FullBlockConfig
     config: FullBlockConfig
 
-    reads_source = False  # type: ignore[assignment]  # the same k whatever the source
+    reads_source = False  # the same k whatever the source
 
     def choose(self, drafter_max: int | None, source: str = DRAFTER_SOURCE) -> int:
         return self.config.unbounded_k if drafter_max is None else drafter_max

@@ -364,10 +364,8 @@ class BlockDrafter(Drafter):
 
     def draw(self, q: mx.array) -> mx.array:
         """One token from the processed distribution q (lazy; no host sync)."""
-        sample_from = getattr(self._sampler, "sample_from", None)
-        if sample_from is not None:
-            return sample_from(q)
-        return mx.random.categorical(mx.log(q))
+        assert self._sampler is not None
+        return self._sampler.sample_from(q)
 
     def probs(self, logits: mx.array) -> mx.array:
         assert self._sampler is not None

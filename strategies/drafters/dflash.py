@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import Field
 
+from dspark_flow.arrays import int_list
 from dspark_flow.errors import ConfigError
 from dspark_flow.models.drafter_backbone import DrafterBackbone
 from dspark_flow.models.drafter_loading import DFLASH, DFLASH2, DrafterSpec
@@ -107,10 +108,10 @@ class DFlashDrafter(BlockDrafter):
             self.trace.extend(logits)
         if self.greedy:
             ids = self.token_ids(mx.argmax(logits, axis=-1))
-            return Draft(pending=ids) if self.leave_pending else Draft(tokens=ids.tolist())
+            return Draft(pending=ids) if self.leave_pending else Draft(tokens=int_list(ids))
         q = self._sampler.probs(logits)  # type: ignore[union-attr]
         tokens = self.token_ids(mx.stack([self.draw(q[i]) for i in range(n)]))
-        return Draft(tokens=tokens.tolist(), probs=self.full_probs(q))
+        return Draft(tokens=int_list(tokens), probs=self.full_probs(q))
 
     def _select(
         self, sel: CandidateSelector, hidden: mx.array, logits: mx.array, anchor: int
@@ -142,5 +143,5 @@ class DFlashDrafter(BlockDrafter):
             tokens.append(prev[0])
         if self.leave_pending:
             return Draft(pending=mx.stack(tokens))
-        ids = mx.stack(tokens).tolist()  # the drafter's one host sync
+        ids = int_list(mx.stack(tokens))  # the drafter's one host sync
         return Draft(tokens=ids, probs=mx.stack(dists) if dists else None)

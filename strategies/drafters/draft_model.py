@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from pydantic import Field
 
+from dspark_flow.arrays import int_list
 from dspark_flow.errors import ConfigError
 from dspark_flow.recipe.schema import WeightFormat
 from dspark_flow.strategy import (
@@ -53,11 +54,17 @@ class DraftModelDrafter(Drafter):
             cfg = self.config
             self.model, tokenizer = load(cfg.model, cfg.weights, cfg.revision)
             check_same_tokenizer(ctx.tokenizer, tokenizer, self.config.model)
-        if not can_trim_prompt_cache(make_prompt_cache(self.model)):
+        if not can_trim_prompt_cache(make_prompt_cache(self.loaded)):
             raise ConfigError(f"draft model {self.config.model}: its cache cannot be trimmed")
 
+    @property
+    def loaded(self) -> nn.Module:
+        if self.model is None:
+            raise ConfigError("the draft model is not loaded: call warm_up() first")
+        return self.model
+
     def begin(self, prompt_ids: list[int], sampler: Sampler) -> None:
-        self._cache = make_prompt_cache(self.model)
+        self._cache = make_prompt_cache(self.loaded)
         self._fed = []
         self._sampler = sampler
         # Prefill the draft model now, so its prompt cost lands in time-to-first-token (as in
@@ -72,7 +79,7 @@ class DraftModelDrafter(Drafter):
         common = min(accepted_prefix(self._fed, history), len(history) - 1)
         if len(self._fed) > common:
             trim_prompt_cache(self._cache, len(self._fed) - common)
-        logits = self.model(mx.array(history[common:], dtype=mx.uint32)[None], cache=self._cache)
+        logits = self.loaded(mx.array(history[common:], dtype=mx.uint32)[None], cache=self._cache)
         self._fed = list(history)
         return logits[0, -1]
 
@@ -91,8 +98,10 @@ class DraftModelDrafter(Drafter):
                 token = self._sampler.sample_from(q)
             tokens.append(token)
             if i + 1 < k:  # the last draft token is fed next round, if accepted
-                logits = self.model(token.reshape(1, 1).astype(mx.uint32), cache=self._cache)[0, -1]
-        ids = mx.stack(tokens).tolist()
+                logits = self.loaded(token.reshape(1, 1).astype(mx.uint32), cache=self._cache)[
+                    0, -1
+                ]
+        ids = int_list(mx.stack(tokens))
         self._fed += ids[:-1]
         return Draft(tokens=ids, probs=mx.stack(dists) if dists else None)
 

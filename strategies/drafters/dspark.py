@@ -15,7 +15,7 @@ DeepSpec's own `dflash_*_block7` checkpoints are this architecture with both hea
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -175,7 +175,7 @@ class DSparkDrafter(BlockDrafter):
         packed = mx.stack(tokens).astype(mx.float32)
         if confs:
             packed = mx.concatenate([packed, mx.sigmoid(mx.stack(confs).astype(mx.float32))])
-        values = packed.tolist()  # the drafter's one host sync
+        values = cast(list[float], packed.tolist())  # the drafter's one host sync
         ids = [int(t) for t in values[:n]]
         keep = n
         if confs and threshold > 0.0:

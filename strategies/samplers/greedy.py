@@ -6,6 +6,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from dspark_flow.arrays import int_list
 from dspark_flow.strategy import Draft, Sampler, StrategyConfig, accepted_prefix
 
 
@@ -15,11 +16,11 @@ class GreedyConfig(StrategyConfig):
 
 def greedy_verify(logits: mx.array, draft: Draft) -> tuple[int, int]:
     """Longest prefix of the draft equal to the target's argmax, plus the argmax after it."""
-    choices = mx.argmax(logits, axis=-1)
+    argmax = mx.argmax(logits, axis=-1)
     if draft.pending is None:
-        choices = choices.tolist()  # the round's one host sync
+        choices = int_list(argmax)  # the round's one host sync
     else:  # a pending draft comes to the host in the same sync
-        both = mx.concatenate([choices.astype(mx.int64), draft.pending.astype(mx.int64)]).tolist()
+        both = int_list(mx.concatenate([argmax.astype(mx.int64), draft.pending.astype(mx.int64)]))
         choices = both[: logits.shape[0]]
         draft.resolve(both[logits.shape[0] :])
     n = accepted_prefix(draft.tokens, choices)

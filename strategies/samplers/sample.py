@@ -14,6 +14,7 @@ from typing import Literal
 import mlx.core as mx
 from pydantic import Field
 
+from dspark_flow.arrays import as_int, int_list
 from dspark_flow.strategies.samplers.greedy import greedy_verify
 from dspark_flow.strategy import Draft, Sampler, StrategyConfig
 
@@ -93,7 +94,7 @@ class SpeculativeSampler(Sampler):
         k = len(draft.tokens)
         p = self.probs(logits)
         if k == 0:
-            return 0, int(self.sample_from(p[0]).item())
+            return 0, as_int(self.sample_from(p[0]))
         rows = mx.arange(k)
         proposed = mx.array(draft.tokens)
         p_draft = p[rows, proposed]
@@ -109,9 +110,15 @@ class SpeculativeSampler(Sampler):
         accept = mx.random.uniform(shape=(k,), key=self._next_key()) * q_draft < p_draft
         corrections = mx.random.categorical(mx.log(residual), key=self._next_key())
         bonus = mx.random.categorical(mx.log(p[k]), key=self._next_key())
-        packed = mx.concatenate(
-            [accept.astype(mx.int32), corrections.astype(mx.int32), bonus.astype(mx.int32)[None]]
-        ).tolist()  # the round's one host sync
+        packed = int_list(
+            mx.concatenate(
+                [
+                    accept.astype(mx.int32),
+                    corrections.astype(mx.int32),
+                    bonus.astype(mx.int32)[None],
+                ]
+            )
+        )  # the round's one host sync
         n = 0
         while n < k and packed[n]:
             n += 1

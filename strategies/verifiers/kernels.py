@@ -230,29 +230,33 @@ class _Router:
             return None
         self.calls += 1
         w, s, b = _quant_args(module)
+        assert s is not None, "co-prefill routes quantized layers only"
         return coprefill_qmm(x, w, s, b, module.group_size, module.bits, share)
 
 
 def _per_token(costs: list[float | None]) -> float:
     """A route's cost per token: its time for r rows divided by r, summed over r = 1, 2, ...;
     infinite where a timing is missing (nothing was timed)."""
-    if any(c is None for c in costs):
+    timed = [c for c in costs if c is not None]
+    if len(timed) < len(costs):
         return float("inf")
-    return float(sum(c / r for r, c in enumerate(costs, start=1)))  # type: ignore[operator]
+    return float(sum(c / r for r, c in enumerate(timed, start=1)))
 
 
 def _routed_linear_call(self: nn.Module, x: mx.array) -> mx.array:
     router = _ROUTER.get()
     y = router.matmul(self, x) if router is not None else None
     if y is None:
-        return super(type(self), self).__call__(x)
+        return super(type(self), self).__call__(x)  # type: ignore[misc]  # set on a subclass
     return y + self["bias"] if "bias" in self else y
 
 
 def _routed_as_linear(self: nn.Module, x: mx.array) -> mx.array:
     router = _ROUTER.get()
     y = router.matmul(self, x) if router is not None else None
-    return super(type(self), self).as_linear(x) if y is None else y
+    if y is None:
+        return super(type(self), self).as_linear(x)  # type: ignore[misc]  # set on a subclass
+    return y
 
 
 def _probe_bar(total: int, gpu: bool) -> Any:
@@ -713,7 +717,8 @@ class KernelVerifier(Verifier):
         if not self._take_correct:
             for bucket, vs in verdicts.items():
                 if any(v.enabled for v in vs):
-                    route.by_rows[bucket] = [None] + [kernel if v.enabled else None for v in vs]
+                    first: list[Callable[..., Any] | None] = [None]  # no kernel for 0 rows
+                    route.by_rows[bucket] = first + [kernel if v.enabled else None for v in vs]
             return route if route.by_rows else None
         route.open_ended = True
         rows_route = self._vector_rows_route(shape, verdicts, store)
