@@ -214,6 +214,20 @@ def test_seeded_sampling_is_deterministic(embedded):
     assert c.token_ids != d.token_ids
 
 
+@pytest.mark.parametrize(
+    "settings", [{"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}], ids=str
+)
+def test_settings_that_round_to_zero_sample_the_top_token(embedded, greedy_refs, settings):
+    """A temperature or top_p that is 0 in float32 leaves only the top token (it made NaNs,
+    and tokens of id 0, under status 200 from the server)."""
+    model, tok = embedded
+    for prompt, ref in list(zip(PROMPTS, greedy_refs))[:3]:
+        res = lookup_generate(
+            model, tok, prompt["turns"][0], max_new_tokens=MAX_NEW, seed=3, **settings
+        )
+        assert res.token_ids == ref.token_ids, prompt["turns"][0][:40]
+
+
 def test_pipeline_from_yaml_and_events(embedded):
     repo = Path(__file__).parent.parent
     pipe = Pipeline.from_yaml(repo / "recipes/lookup.yaml", ["stop.1.limit=12"], target=embedded)

@@ -126,3 +126,13 @@ def test_draft_model_drafts_through_a_sampler_without_sample_from():
     # Each drafted token is one the drafter's own distribution gives weight to.
     for i, token in enumerate(draft.tokens):
         assert draft.probs[i, token].item() > 0
+
+
+def test_processed_probs_stay_a_distribution_where_settings_round_to_zero():
+    logits = mx.array([[1.0, 3.0, 2.0, -1.0], [0.5, 0.1, -2.0, 7.0]])
+    for probs in (
+        processed_probs(logits, 1e-300, 1.0, 0, 0.0),  # temperature 0 in float32
+        processed_probs(logits, 1e-40, 1.0, 0, 0.0),  # below float32's smallest normal
+        processed_probs(logits, 1.0, 1e-300, 0, 0.0),  # top_p 0 in float32
+    ):
+        assert np.array(probs).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]

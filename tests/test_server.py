@@ -4,6 +4,7 @@ httpx for the bad requests a client library would refuse to send)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -452,6 +453,10 @@ OPENAI_CASES = [
     ),
     ("empty stop", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "stop": [""]}, 400, "stop"),
     ("bad top_p", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "top_p": 0}, 400, "top_p"),
+    ("stream_options alone", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "stream_options": {"include_usage": True}}, 400, None),
+    ("33 stops", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "stop": [f"s{i}" for i in range(33)]}, 400, "stop"),
+    ("long stop", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "stop": "x" * 1001}, 400, "stop"),
+    ("empty content list", "/v1/chat/completions", BEARER, {**GOOD_CHAT, "messages": [{"role": "user", "content": []}]}, 400, None),
     (
         "unknown model",
         "/v1/chat/completions",
@@ -513,6 +518,7 @@ ANTHROPIC_CASES = [
     ("empty content", XKEY, {**GOOD_MSG, "messages": [{"role": "user", "content": []}]}, 400, "invalid_request_error"),
     ("empty text", XKEY, {**GOOD_MSG, "messages": [{"role": "user", "content": ""}]}, 400, "invalid_request_error"),
     ("prefill alone", XKEY, {**GOOD_MSG, "messages": [{"role": "assistant", "content": "Hi"}]}, 400, "invalid_request_error"),
+    ("33 stop sequences", XKEY, {**GOOD_MSG, "stop_sequences": [f"s{i}" for i in range(33)]}, 400, "invalid_request_error"),
     ("tool_choice without tools", XKEY, {**GOOD_MSG, "tool_choice": {"type": "any"}}, 400, "invalid_request_error"),
 ]  # fmt: skip
 
@@ -660,6 +666,34 @@ def test_streaming_disconnect_cancels_the_generation(server, oai):
             if '"content"' in line and '"content": ""' not in line:
                 break  # some text arrived: now hang up
     _assert_next_request_is_prompt(server, oai, before)
+
+
+def test_shutdown_ends_a_stream_with_an_error_event(embedded):
+    """Ctrl-C / SIGTERM mid-stream: the client gets a 503 error event and [DONE], not a body cut
+    off after uvicorn's grace period."""
+    import signal
+
+    pipeline = build_pipeline(RECIPE, target=embedded)
+    engine = Engine(pipeline, warmup=False).start()
+    engine.wait_ready(timeout=300)
+    config = ServerConfig.for_recipe(pipeline.recipe, api_key=KEY)
+    body = {"model": MODEL, "messages": TALK, "max_tokens": 300, "stream": True}
+    lines = []
+    try:
+        with BackgroundServer(create_app(engine, config)) as running:
+            url = f"{running.url}/v1/chat/completions"
+            with httpx.stream("POST", url, json=body, headers=BEARER, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 3:  # text is flowing: the signal arrives
+                        running.server.handle_exit(signal.SIGTERM, None)
+    finally:
+        engine.stop()
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "shutting down" in error["message"]
 
 
 def test_non_streaming_disconnect_cancels_the_generation(server, oai):

@@ -67,6 +67,12 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def abort(self, error: ApiError) -> None:
+        """End the job with `error` for its consumer now (the server is stopping); the worker
+        stops the generation at its next event."""
+        self.cancelled.set()
+        self.put(error)
+
     async def items(self) -> AsyncIterator[str | Finished]:
         """Text pieces, then one `Finished`; raises the worker's error. Leaving early (a client
         disconnect cancels the consuming task) cancels the generation."""
@@ -124,6 +130,7 @@ class Engine:
         self.tokenizer: Any = None
         self._loaded = threading.Event()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._running: Job | None = None
         self._thread = threading.Thread(target=self._work, name="dspark-flow-engine", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -142,6 +149,18 @@ class Engine:
             raise DsparkFlowError("the model did not finish loading in time")
         if self.load_error is not None:
             raise self.load_error
+
+    def abort_all(self, reason: str = "the server is shutting down") -> int:
+        """End every queued and running request with a 503 in its own dialect (a stream gets
+        an error event and its end) instead of leaving them to be cut off; returns how many."""
+        with self._jobs.mutex:
+            jobs = [j for j in self._jobs.queue if j is not None]
+        running = self._running
+        if running is not None and running not in jobs:
+            jobs.append(running)
+        for job in jobs:
+            job.abort(ApiError(503, reason, type="server_error"))
+        return len(jobs)
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -215,10 +234,12 @@ class Engine:
                 job.put(ApiError(503, "the model failed to load", type="server_error"))
                 continue
             self.busy = True
+            self._running = job
             try:
                 self._run(job)
             finally:
                 self.busy = False
+                self._running = None
 
     def _run(self, job: Job) -> None:
         req = job.request

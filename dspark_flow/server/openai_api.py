@@ -46,6 +46,8 @@ class ChatMessage(Strict):
         # turn without any is a client bug better named than answered as an empty turn.
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (null only for assistant)")
+        if isinstance(self.content, list) and not self.content:  # as OpenAI: at least one part
+            raise ValueError(f"a {self.role} message's content list is empty")
         return self
 
     def text(self) -> str:
@@ -95,6 +97,8 @@ class _Common(Strict):
             raise ValueError("logit_bias is not supported")
         if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
             raise ValueError("logprobs and top_logprobs are not supported")
+        if self.stream_options is not None and not self.stream:  # as OpenAI answers it
+            raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     def stop_list(self) -> list[str]:

@@ -28,14 +28,30 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(app: Any, log_level: str) -> uvicorn.Server:
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on Ctrl-C / SIGTERM first ends the engine's requests with a 503:
+    uvicorn waits for open connections to close, and a stream mid-generation would otherwise be
+    cut off after the grace period (the client sees a broken chunked body, the log a
+    CancelledError)."""
+
+    def abort_requests(self) -> None:
+        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+        if engine is not None and not self.should_exit:
+            engine.abort_all()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.abort_requests()
+        super().handle_exit(sig, frame)
+
+
+def _server(app: Any, log_level: str) -> _Server:
     config = uvicorn.Config(
         app,
         log_level=log_level,
         access_log=log_level in ("debug", "info"),
         timeout_graceful_shutdown=5,
     )
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 def serve_forever(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
@@ -67,6 +83,7 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
+        self.server.abort_requests()
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()

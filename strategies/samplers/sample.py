@@ -28,11 +28,17 @@ class SampleConfig(StrategyConfig):
     seed: int | None = Field(None, ge=0, lt=2**64, description="same seed, same output")
 
 
+FLOAT32_TINY = 1.1754944e-38
+
+
 def processed_probs(
     logits: mx.array, temperature: float, top_p: float, top_k: int, min_p: float
 ) -> mx.array:
     """Rows of `logits` -> the distribution tokens are drawn from."""
-    logits = logits.astype(mx.float32) / temperature
+    logits = logits.astype(mx.float32)
+    # Shifted to a maximum of 0 and divided by at least float32's smallest normal: a temperature
+    # that rounds to 0 in float32 then sends the other logits to -inf instead of making NaNs.
+    logits = (logits - mx.max(logits, axis=-1, keepdims=True)) / max(temperature, FLOAT32_TINY)
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = mx.sort(logits, axis=-1)[..., vocab - top_k][..., None]
@@ -45,7 +51,8 @@ def processed_probs(
         order = mx.argsort(-probs, axis=-1)
         sorted_probs = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass ranked above each token
-        keep_sorted = before < top_p  # the token that crosses top_p stays
+        # The token that crosses top_p stays, and so does the first (top_p may round to 0).
+        keep_sorted = (before < top_p) | (mx.arange(vocab) == 0)
         keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
         probs = mx.where(keep, probs, 0.0)
     return probs / mx.sum(probs, axis=-1, keepdims=True)
