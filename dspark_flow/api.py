@@ -71,6 +71,10 @@ def sampler_section(
 ) -> dict[str, Any]:
     """The recipe's sampler section for these settings (greedy at temperature 0)."""
     if temperature == 0.0 and top_p == 1.0 and top_k == 0 and min_p == 0.0:
+        if seed is not None:  # unused when greedy, but a bad one is still the caller's mistake
+            from dspark_flow.recipe.load import validate
+
+            validate({"sampler": {"kind": "sample", "seed": seed}})
         return {"kind": "greedy"}
     return {
         "kind": "sample",
@@ -151,7 +155,9 @@ def greedy_generate(
     target: nn.Module, tokenizer: TokenizerWrapper, prompt: Prompt, **kwargs: Any
 ) -> GenResult:
     """Plain decoding (no drafter) - greedy, or sampled when `temperature` > 0."""
-    kwargs = _passed_on(greedy_generate, kwargs, ("drafter",))
+    kwargs = _passed_on(greedy_generate, kwargs, ("drafter", "draft_cap"))
+    if "drafter" in (kwargs.get("objects") or {}):  # it would quietly draft with it
+        raise TypeError("greedy_generate() decodes without a drafter; objects cannot give one")
     return run_recipe(target, tokenizer, prompt, drafter={"kind": "none"}, **kwargs)
 
 
@@ -362,7 +368,12 @@ def speculative_generate(
     if isinstance(drafter, Drafter):
         loaded = drafter
     else:
-        name = _model_ref(drafter, "speculative_generate: drafter (a loaded drafter, or)")
+        if not isinstance(drafter, (str, os.PathLike)):
+            raise ConfigError(
+                "speculative_generate: drafter is a loaded drafter (load_pair, load_drafter) or "
+                f"a checkpoint path or hub id, got {type(drafter).__name__}"
+            )
+        name = _model_ref(drafter, "speculative_generate: drafter")
         loaded = load_drafter(name, target)  # type: ignore[arg-type]  # (never None here)
     draft_cap, cap = _cap_section(cap_controller, max_draft_tokens)
     objects: dict[str, Any] = {"drafter": loaded}

@@ -82,6 +82,8 @@ def _is_id(token: Any) -> bool:
 def _check_prompt(prompt: Any) -> list[int] | None:
     """Token ids as ints (None for text or chat messages, after checking their shape)."""
     if isinstance(prompt, str):
+        if not prompt:  # through a chat template it would still make tokens: the template's own
+            raise PromptError("the prompt is empty")
         check_text(prompt, "the prompt")
         return None
     if not isinstance(prompt, (list, tuple)):
@@ -126,9 +128,22 @@ def check_text(text: str, where: str) -> None:
 
 
 class Pipeline:
-    def __init__(self, recipe: Recipe, target: tuple[Any, Any] | None = None, **strategies: Any):
-        """`target` is an already loaded (model, tokenizer); `strategies` may pass ready
+    def __init__(
+        self,
+        recipe: Recipe | dict[str, Any],
+        target: tuple[Any, Any] | None = None,
+        **strategies: Any,
+    ):
+        """`recipe` is a validated Recipe or a recipe as a dict (validated here, as `from_dict`
+        does); `target` is an already loaded (model, tokenizer); `strategies` may pass ready
         strategy objects by slot name (e.g. `drafter=...`) instead of building from the recipe."""
+        if isinstance(recipe, dict):
+            recipe = validate(recipe)
+        elif not isinstance(recipe, Recipe):
+            raise ConfigError(
+                f"Pipeline: the recipe is a Recipe or a dict, got {type(recipe).__name__} "
+                "(a YAML file goes through Pipeline.from_yaml)"
+            )
         slots = [slot for slot in SLOTS if slot != "stop"]  # stop rules come from the recipe
         unknown = sorted(set(strategies) - set(slots))
         if unknown:  # a misspelt slot would otherwise drop the caller's strategy silently

@@ -307,6 +307,47 @@ def test_the_api_names_objects_of_the_wrong_kind(embedded):
         )
 
 
+def test_what_a_second_audit_of_the_api_found(embedded, tmp_path):
+    """An AttributeError, an empty chat prompt answered, seeds unchecked when greedy, a garbled
+    message and a misleading calibration error (2026-12-03, session 37)."""
+    from dspark_flow import (
+        Pipeline,
+        calibrate,
+        greedy_generate,
+        load_drafter,
+        load_target,
+        speculative_generate,
+    )
+    from dspark_flow.errors import RecipeError
+
+    model, tok = embedded
+    assert Pipeline({"drafter": {"kind": "lookup"}}, target=(model, tok)).recipe.drafter.kind == (
+        "lookup"
+    )
+    with pytest.raises(ConfigError, match="the recipe is a Recipe or a dict, got int"):
+        Pipeline(5)  # type: ignore[arg-type]
+    with pytest.raises(PromptError, match="the prompt is empty"):
+        greedy_generate(model, tok, "", max_new_tokens=1)
+    for seed in ("x", -1, 1.5):
+        with pytest.raises(RecipeError, match="seed"):
+            greedy_generate(model, tok, "hi", max_new_tokens=1, seed=seed)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="greedy_generate.. sets draft_cap itself"):
+        greedy_generate(model, tok, "hi", draft_cap={"kind": "fixed", "k": 2})
+    with pytest.raises(TypeError, match="decodes without a drafter"):
+        greedy_generate(model, tok, "hi", objects={"drafter": object()})
+    with pytest.raises(ConfigError, match=r"a loaded drafter \(load_pair.* got Model$"):
+        speculative_generate(model, tok, model, "hi")  # type: ignore[arg-type]
+    # A drafter loaded with another instance of the target reads that one's features; calibrate
+    # said "use verifier 'reference'" (which it was using). It warms the drafter as a Pipeline does.
+    other = load_target()[0]
+    drafter = load_drafter("builtin:smollm2-135m-dspark", other)
+    cap = calibrate(
+        (model, tok), drafter, mode="dspark", cache_dir=str(tmp_path), depths=[16],
+        repeats=1, warmup=0, max_k=2,
+    )  # fmt: skip
+    assert cap.curves.block == 2
+
+
 def test_the_wrappers_name_themselves_for_keywords_they_do_not_take(embedded):
     # Python's own TypeError named run_recipe, a function the caller never called.
     from dspark_flow import dflash_generate, greedy_generate, lookup_generate, speculative_generate

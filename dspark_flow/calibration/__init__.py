@@ -58,8 +58,13 @@ def _drafter_for(
 
     from dspark_flow.strategy import BuildContext, Drafter, construct, warm
 
+    # A block drafter's checkpoint 'auto' is looked up by the target's name.
+    recipe = SimpleNamespace(target=SimpleNamespace(model=target_repo, revision=target_revision))
+    ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=recipe, sampler=sampler)
     if isinstance(drafter, Drafter):
-        return drafter
+        # Warmed against this target, as a Pipeline does: one loaded with another instance of
+        # it (load_pair's own) would still read features from that one.
+        return warm(drafter, ctx)
     if isinstance(drafter, nn.Module):  # an already loaded draft model
         from dspark_flow.strategies.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 
@@ -79,10 +84,7 @@ def _drafter_for(
             section["revision"] = drafter_revision
     elif field == "model" and mode != "lookup":
         raise ConfigError(f"calibrate(mode={mode!r}) needs drafter= or drafter_repo=")
-    # A block drafter's checkpoint 'auto' is looked up by the target's name.
-    recipe = SimpleNamespace(target=SimpleNamespace(model=target_repo, revision=target_revision))
     built = construct(cls, cls.Config.model_validate(section))
-    ctx = BuildContext(model=model, tokenizer=tokenizer, recipe=recipe, sampler=sampler)
     return warm(built, ctx)
 
 
