@@ -317,7 +317,9 @@ class Pipeline:
         chat: bool | None = None,
         stream_text: bool = True,
     ) -> Generator[Event, None, None]:
-        """Yield `TextEvent`s of committed text, then one `DoneEvent` with the `GenResult`."""
+        """Yield `TextEvent`s of committed text, then one `DoneEvent` with the `GenResult`; a
+        prompt longer than one prefill chunk first yields `PrefillEvent`s as it is read (points
+        where a consumer may stop)."""
         started = time.perf_counter()
         components = self._request_components(max_new_tokens, sampler, stop)
         prompt_ids = self.encode_prompt(prompt, chat)

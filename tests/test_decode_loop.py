@@ -228,6 +228,28 @@ def test_settings_that_round_to_zero_sample_the_top_token(embedded, greedy_refs,
         assert res.token_ids == ref.token_ids, prompt["turns"][0][:40]
 
 
+def test_a_long_prompt_is_read_in_chunks_a_consumer_may_stop_between(embedded):
+    """The server stops a generation at any event; a long prompt's prefill was none (a client
+    that gave up on 8,000 tokens held the worker for minutes). Stopping there loses nothing:
+    the prefix cache, which the interrupted read never filled, still gives greedy's tokens."""
+    from dspark_flow.engine.decode import PREFILL_CHUNK, PrefillEvent
+
+    model, tok = embedded
+    repo = Path(__file__).parent.parent
+    pipe = Pipeline.from_yaml(repo / "recipes/lookup.yaml", ["stop.1.limit=8"], target=embedded)
+    ids = tok.encode(" ".join(p["turns"][0] for p in PROMPTS * 3))[: 2 * PREFILL_CHUNK + 40]
+    assert len(ids) == 2 * PREFILL_CHUNK + 40
+    events = pipe.warm_up().events(ids)
+    first = next(events)
+    assert first == PrefillEvent(done=PREFILL_CHUNK, total=len(ids))
+    events.close()  # the consumer stops here, as the server does for a client gone
+    seen = list(pipe.events(ids))
+    progress = [e for e in seen if isinstance(e, PrefillEvent)]
+    # Every token but the last goes in before the one forward whose logits are read.
+    assert [e.done for e in progress] == [PREFILL_CHUNK, 2 * PREFILL_CHUNK, len(ids) - 1]
+    assert seen[-1].result.token_ids == greedy_generate(model, tok, ids, max_new_tokens=8).token_ids
+
+
 def test_pipeline_from_yaml_and_events(embedded):
     repo = Path(__file__).parent.parent
     pipe = Pipeline.from_yaml(repo / "recipes/lookup.yaml", ["stop.1.limit=12"], target=embedded)

@@ -15,7 +15,7 @@ ones the loop would run anyway, in the same order, so the output is unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -84,10 +84,22 @@ class DoneEvent:
     result: GenResult
 
 
-Event = TextEvent | DoneEvent
+@dataclass
+class PrefillEvent:
+    """A long prompt is being read: `done` of its `total` tokens are in the cache. One comes
+    after each chunk but the last, so a consumer (the server) can stop the generation there, as
+    at any event, instead of waiting out the whole prompt."""
+
+    done: int
+    total: int
 
 
-def _prefill(c: Components, prompt_ids: list[int]) -> tuple[list[Any], mx.array, int]:
+Event = TextEvent | DoneEvent | PrefillEvent
+
+
+def _prefill(
+    c: Components, prompt_ids: list[int]
+) -> Generator[PrefillEvent, None, tuple[list[Any], mx.array, int]]:
     cache, cached = c.cache.new(c.model, prompt_ids)
     if cached >= len(prompt_ids):  # the forward needs at least one new token for its logits
         c.cache.trim(cache, cached - len(prompt_ids) + 1)
@@ -104,6 +116,7 @@ def _prefill(c: Components, prompt_ids: list[int]) -> tuple[list[Any], mx.array,
         mx.eval([entry.state for entry in cache])
         rest = rest[len(chunk) :]
         forwards += 1
+        yield PrefillEvent(done=len(prompt_ids) - len(rest), total=len(prompt_ids))
     logits = c.verifier.forward(c.model, rest, cache)[-1]
     c.drafter.after_forward(len(rest))
     return cache, logits, forwards + 1
@@ -191,7 +204,7 @@ def decode(
     c.drafter.begin(prompt_ids, c.sampler)
     c.draft_cap.begin(prompt_ids)
     t_prefill = time.perf_counter()
-    cache, logits, forwards = _prefill(c, prompt_ids)
+    cache, logits, forwards = yield from _prefill(c, prompt_ids)
     generated = [as_int(c.sampler.sample(logits))]
     t_first = time.perf_counter()
 
