@@ -696,6 +696,34 @@ def test_shutdown_ends_a_stream_with_an_error_event(embedded):
     assert error["type"] == "server_error" and "shutting down" in error["message"]
 
 
+def test_a_full_queue_answers_429_in_each_dialect(embedded):
+    pipeline = build_pipeline(RECIPE, target=embedded)
+    engine = Engine(pipeline, warmup=False).start()
+    engine.wait_ready(timeout=300)
+    config = ServerConfig.for_recipe(pipeline.recipe, api_key=KEY, max_queue=0)  # none may wait
+    body = {"model": MODEL, "messages": TALK, "max_tokens": 300, "stream": True}
+    try:
+        with BackgroundServer(create_app(engine, config)) as running:
+            url = f"{running.url}/v1/chat/completions"
+            with httpx.stream("POST", url, json=body, headers=BEARER, timeout=60) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the worker has taken it: it is busy
+                assert engine.busy
+                late = httpx.post(url, json=GOOD_CHAT, headers=BEARER, timeout=30)
+                assert late.status_code == 429
+                assert late.json()["error"]["code"] == "rate_limit_exceeded"
+                late = httpx.post(f"{running.url}/v1/messages", json=GOOD_MSG, headers=XKEY)
+                assert late.status_code == 429
+                assert late.json()["error"]["type"] == "rate_limit_error"
+            # The stream is gone: the worker frees itself and an idle server takes a request.
+            deadline = time.monotonic() + 30
+            while engine.busy and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert httpx.post(url, json=GOOD_CHAT, headers=BEARER, timeout=60).status_code == 200
+    finally:
+        engine.stop()
+
+
 def test_non_streaming_disconnect_cancels_the_generation(server, oai):
     before = health(server)["queue"]["cancelled"]
     body = {"model": MODEL, "messages": TALK, "max_tokens": 300}

@@ -12,6 +12,7 @@ import sys
 
 from dspark_flow.cli.args import add_recipe
 from dspark_flow.errors import DsparkFlowError
+from dspark_flow.server import DEFAULT_MAX_QUEUE
 
 API_KEY_ENV = "DSPARK_FLOW_API_KEY"
 
@@ -63,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="largest request body accepted (default 4M; larger gets 413)",
     )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        metavar="N",
+        help=f"requests that may wait behind the running one (default {DEFAULT_MAX_QUEUE}; "
+        "more get 429 at once; 0: no limit)",
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -86,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise DsparkFlowError(f"--port must be between 0 and 65535, got {args.port}")
     if args.max_body_bytes < 1:
         raise DsparkFlowError("--max-body-bytes must be at least 1")
+    if args.max_queue < 0:
+        raise DsparkFlowError("--max-queue must be at least 0 (0: no limit)")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         # `--api-key "$KEY"` with KEY unset would otherwise serve without any key at all.
@@ -105,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
         max_active_bytes=args.max_active_bytes,
     )
     config = ServerConfig.for_recipe(
-        pipeline.recipe, api_key=api_key or None, max_body_bytes=args.max_body_bytes
+        pipeline.recipe,
+        api_key=api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_queue=args.max_queue or None,
     )
     sock = bind(args.host, args.port)  # fail fast on a taken port, before loading the model
     engine = Engine(pipeline, warmup=not args.no_warmup, max_active_bytes=args.max_active_bytes)

@@ -106,6 +106,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         prompt_ids: list[int], budget: int | None, sampler: Any, stop: list[str]
     ) -> Job:
         max_tokens = check_budget(engine, prompt_ids, budget)
+        # It would wait behind the running request and those already queued.
+        if config.max_queue is not None and engine.busy and engine.waiting >= config.max_queue:
+            raise ApiError(
+                429,
+                f"the server is busy: {engine.waiting} requests are waiting (at most "
+                f"{config.max_queue}); retry later",
+                code="rate_limit_exceeded",
+            )
         return engine.submit(GenRequest(prompt_ids, max_tokens, sampler, stop))
 
     # -- routes ------------------------------------------------------------------------------

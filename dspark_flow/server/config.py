@@ -8,6 +8,7 @@ from pathlib import Path
 from dspark_flow.pipeline import Pipeline
 from dspark_flow.recipe.load import loads_recipe, parse_override, parse_yaml, read_recipe_text
 from dspark_flow.recipe.schema import TOOL_DEFAULTS, Recipe
+from dspark_flow.server import DEFAULT_MAX_QUEUE
 
 MiB = 2**20
 DEFAULT_MAX_BODY_BYTES = 4 * MiB
@@ -20,6 +21,7 @@ class ServerConfig:
     target: str = ""
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queue: int | None = DEFAULT_MAX_QUEUE  # requests that may wait (None: no limit)
 
     def accepts(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases
