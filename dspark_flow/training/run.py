@@ -80,17 +80,8 @@ def run_training(
     once past it, and the later stages wait for a rerun, which resumes where it paused.
     `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops.
     `replace` lets export replace a drafter another recipe exported in `output`."""
-    from dspark_flow.models.draft_vocab import VOCAB_FILE
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import (
-        build_dataset,
-        data_cache_dir,
-        data_shares,
-        load_samples,
-        read_json_object,
-    )
-    from dspark_flow.training.evaluate import evaluate_drafter, format_eval
-    from dspark_flow.training.export import exported_by, size_mb
+    from dspark_flow.training.data import data_cache_dir, load_samples, read_json_object
     from dspark_flow.training.recipe import check_output
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
     from dspark_flow.training.warm_start import require_init_from
@@ -113,91 +104,25 @@ def run_training(
     # paused by time limits) add to one summary: keep what earlier runs recorded. The work dir's
     # copy is written by every call; the output's only once the drafter is exported there.
     running = work_dir(recipe) / SUMMARY
-    shipped = read_json_object(out / SUMMARY)
     # Evaluating a drafter trained elsewhere: its own summary is the record. An export writes
     # this recipe's checkpoints, whose record is the work dir's.
     producing = "data" in stages or "train" in stages
-    ours = producing or "export" in stages
-    previous = (read_json_object(running) or shipped) if ours else shipped
+    shipped = read_json_object(out / SUMMARY)
+    previous = (
+        (read_json_object(running) or shipped) if producing or "export" in stages else shipped
+    )
+    samples: list[Any] | None = None
     if producing:
-        t0 = time.perf_counter()
-        cache = data_cache_dir(recipe)
-        try:
-            samples = load_samples(cache)
-            complete_before = True
-        except DsparkFlowError:
-            complete_before = False
-        # A train-only run uses complete data as it is; the data stage checks and finishes it.
-        if "data" in stages or not complete_before:
-            cache = build_dataset(recipe, target, tok, progress=progress, worker=worker)
-            if worker.count > 1:  # a share: the whole set may not be there yet
-                summary["data"] = {
-                    "worker": str(worker),
-                    "cache": str(cache),
-                    "seconds": round(time.perf_counter() - t0, 1),
-                    "device": summary["device"],
-                }
-                return summary
-            samples = load_samples(cache)
-        summary["data"] = {
-            # The card is written again by later calls (eval, export), whose --set overrides
-            # may differ: it reads what made the data and the drafter from here.
-            "self_prompts": recipe.data.self_prompts,
-            "samples": len(samples),
-            "tokens": int(sum(len(s.tokens) for s in samples)),
-            "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in samples)),
-            "seconds": round(time.perf_counter() - t0, 1),
-            "cache": str(cache),
-            "device": summary["device"],
-        }
-        if shares := data_shares(cache):  # made by data workers: their figures, not this call's
-            summary["data"]["shares"] = shares
-        before = previous.get("data", {})
-        same = before.get("cache") == str(cache) and before.get("samples") == len(samples)
-        if complete_before and same:
-            summary["data"] = before  # the run that generated the data keeps its figures
-        log.info("data ready", **summary["data"])
+        samples = _data_stage(recipe, target, tok, stages, worker, progress, summary, previous)
+        if samples is None:  # one data worker's share: the whole set may not be there yet
+            return summary
     interrupted = False
     if "train" in stages:
-        trainer.warm_up(target, tok)
-        if not fresh and trainer.resume():
-            summary["resumed_from_step"] = trainer.step
-        resumed_from = trainer.step
-        if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
-            previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
-            if recipe.train.init_from:  # before --fresh clears: a start that fails loses nothing
-                trainer.start_from_init()
-        if fresh:
-            trainer.clear_checkpoints()
-        t0 = time.perf_counter()
+        assert samples is not None
         deadline = t_start + time_limit if time_limit is not None else None
-        result = trainer.train(samples, deadline=deadline)
-        interrupted = result.interrupted  # by Ctrl-C: recorded below, then raised
-        summary["train"] = {
-            "steps": result.step,
-            "paused": result.paused,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "calls": 1,
-            "last": result.last,
-            "checkpoints": str(trainer.checkpoints),
-            "device": summary["device"],
-            "command": command,
-            "settings": recipe.train.model_dump(mode="json", include=CARD_TRAIN_SETTINGS),
-        }
-        if trainer.started_from:
-            summary["train"]["init_from"] = trainer.started_from
-        # Training spread over calls (time limits, preemption): add this call to the earlier
-        # ones; a call with nothing left to train leaves their record as it is.
-        before = previous.get("train", {})
-        # (a call killed between checkpoints wrote no record: its steps count in the next one)
-        if resumed_from and 0 < before.get("steps", 0) <= resumed_from:
-            if result.step == resumed_from:
-                summary["train"] = {**before, "paused": result.paused}
-            else:
-                summary["train"]["seconds"] = round(
-                    before.get("seconds", 0.0) + summary["train"]["seconds"], 1
-                )
-                summary["train"]["calls"] = before.get("calls", 1) + 1
+        previous, interrupted = _train_stage(
+            trainer, target, tok, samples, fresh, deadline, summary, previous
+        )
     if summary.get("train", {}).get("paused") or interrupted:
         log.info(
             f"training {'interrupted' if interrupted else 'paused by the time limit'}: run the "
@@ -208,55 +133,216 @@ def run_training(
         later = ("export", "eval", "vocab") if interrupted else ("export", "eval")
         stages = tuple(s for s in stages if s not in later)
     if "export" in stages:
-        if trainer.model is None:
-            trainer.warm_up(target, tok)
-        summary["exported_step"] = trainer.load_weights_from()
-        # Export replaces the directory: keep the draft vocabulary (recounted below if it can be).
-        kept = (out / VOCAB_FILE).read_bytes() if (out / VOCAB_FILE).is_file() else None
-        trainer.export(work_dir(recipe) / "float", quantize=None)
-        trainer.export(out, replace=replace)
-        if kept is not None:
-            write_atomic(out / VOCAB_FILE, lambda f: f.write(kept))
-        # The export replaced the card and the summary with the folder: record the new weights
-        # at once (without the old weights' evaluation), so that a failure or Ctrl-C in the
-        # stages after it leaves no drafter without its record. The end of the call rewrites it.
-        exported = {**previous, **summary, "size_mb": round(size_mb(out), 2)}
-        _write_record(recipe, out, {k: v for k, v in exported.items() if k not in EVAL_KEYS})
+        _export_stage(trainer, target, tok, replace, summary, previous)
     if "export" in stages or "vocab" in stages:
-        try:
-            if not producing:
+        if samples is None:
+            try:
                 samples = load_samples(data_cache_dir(recipe))
-        except DsparkFlowError:
-            if "vocab" in stages:
-                raise
-            log.warning("no training data here: the draft vocabulary was not recounted")
-        else:
+            except DsparkFlowError:
+                if "vocab" in stages:
+                    raise
+                log.warning("no training data here: the draft vocabulary was not recounted")
+        if samples is not None:
             floats = work_dir(recipe) / "float"
             dirs = (out, floats) if (floats / "config.json").is_file() else (out,)
             summary["vocab"] = write_vocab(target, samples, dirs)
     if "export" in stages:
+        from dspark_flow.training.export import size_mb
+
         summary["size_mb"] = round(size_mb(out), 2)
     if "eval" in stages and recipe.eval.prompts:
-        if not (out / "config.json").is_file():
-            raise DsparkFlowError(
-                f"nothing to evaluate: {out} has no drafter (run the train stage)"
-            )
-        del target
-        runtime, rtok = load(recipe.target.model, "auto", recipe.target.revision)
-        summary["eval"] = {}
-        summary["eval_device"], summary["eval_command"] = summary["device"], command
-        for label, path in (("shipped", out), ("float", work_dir(recipe) / "float")):
-            if (path / "config.json").is_file():
-                summary["eval"][label] = evaluate_drafter(
-                    runtime,
-                    rtok,
-                    path,
-                    recipe.eval.prompts,
-                    max_new_tokens=recipe.eval.max_new_tokens,
-                    progress=progress,
-                )
-                print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
+        del target  # evaluation loads the target again, in the runtime's format
+        _eval_stage(recipe, progress, command, summary)
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
+    summary = _record_call(recipe, stages, summary, previous, producing)
+    if interrupted:  # Ctrl-C: the step, its checkpoint and this call's record are saved
+        raise KeyboardInterrupt
+    return summary
+
+
+def _data_stage(
+    recipe: TrainRecipe,
+    target: Any,
+    tok: Any,
+    stages: tuple[str, ...],
+    worker: DataWorker,
+    progress: bool,
+    summary: dict[str, Any],
+    previous: dict[str, Any],
+) -> list[Any] | None:
+    """The training samples, made where the data stage runs or the set is incomplete (None: a
+    data worker made its share, and the set is sealed by a later call); records `data`."""
+    from dspark_flow.training.data import build_dataset, data_cache_dir, data_shares, load_samples
+
+    t0 = time.perf_counter()
+    cache = data_cache_dir(recipe)
+    try:
+        samples = load_samples(cache)
+        complete_before = True
+    except DsparkFlowError:
+        complete_before = False
+    # A train-only run uses complete data as it is; the data stage checks and finishes it.
+    if "data" in stages or not complete_before:
+        cache = build_dataset(recipe, target, tok, progress=progress, worker=worker)
+        if worker.count > 1:
+            summary["data"] = {
+                "worker": str(worker),
+                "cache": str(cache),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "device": summary["device"],
+            }
+            return None
+        samples = load_samples(cache)
+    summary["data"] = {
+        # The card is written again by later calls (eval, export), whose --set overrides may
+        # differ: it reads what made the data and the drafter from here.
+        "self_prompts": recipe.data.self_prompts,
+        "samples": len(samples),
+        "tokens": int(sum(len(s.tokens) for s in samples)),
+        "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in samples)),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "cache": str(cache),
+        "device": summary["device"],
+    }
+    if shares := data_shares(cache):  # made by data workers: their figures, not this call's
+        summary["data"]["shares"] = shares
+    before = previous.get("data", {})
+    same = before.get("cache") == str(cache) and before.get("samples") == len(samples)
+    if complete_before and same:
+        summary["data"] = before  # the run that generated the data keeps its figures
+    log.info("data ready", **summary["data"])
+    return samples
+
+
+def _train_stage(
+    trainer: Any,
+    target: Any,
+    tok: Any,
+    samples: list[Any],
+    fresh: bool,
+    deadline: float | None,
+    summary: dict[str, Any],
+    previous: dict[str, Any],
+) -> tuple[dict[str, Any], bool]:
+    """Train (resuming unless `fresh`) until done, paused by `deadline` or interrupted; records
+    `train`. Returns the earlier record (cleared for a new drafter) and whether Ctrl-C stopped
+    it (recorded by the caller, then raised)."""
+    recipe = trainer.recipe
+    trainer.warm_up(target, tok)
+    if not fresh and trainer.resume():
+        summary["resumed_from_step"] = trainer.step
+    resumed_from = trainer.step
+    if not resumed_from:  # a new drafter: what was recorded about an earlier one is stale
+        previous = {k: v for k, v in previous.items() if k in ("recipe", "data")}
+        if recipe.train.init_from:  # before --fresh clears: a start that fails loses nothing
+            trainer.start_from_init()
+    if fresh:
+        trainer.clear_checkpoints()
+    t0 = time.perf_counter()
+    result = trainer.train(samples, deadline=deadline)
+    summary["train"] = {
+        "steps": result.step,
+        "paused": result.paused,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "calls": 1,
+        "last": result.last,
+        "checkpoints": str(trainer.checkpoints),
+        "device": summary["device"],
+        "command": summary["command"],
+        "settings": recipe.train.model_dump(mode="json", include=CARD_TRAIN_SETTINGS),
+    }
+    if trainer.started_from:
+        summary["train"]["init_from"] = trainer.started_from
+    # Training spread over calls (time limits, preemption): add this call to the earlier ones;
+    # a call with nothing left to train leaves their record as it is.
+    before = previous.get("train", {})
+    # (a call killed between checkpoints wrote no record: its steps count in the next one)
+    if resumed_from and 0 < before.get("steps", 0) <= resumed_from:
+        if result.step == resumed_from:
+            summary["train"] = {**before, "paused": result.paused}
+        else:
+            summary["train"]["seconds"] = round(
+                before.get("seconds", 0.0) + summary["train"]["seconds"], 1
+            )
+            summary["train"]["calls"] = before.get("calls", 1) + 1
+    return previous, result.interrupted
+
+
+def _export_stage(
+    trainer: Any,
+    target: Any,
+    tok: Any,
+    replace: bool,
+    summary: dict[str, Any],
+    previous: dict[str, Any],
+) -> None:
+    """Write the newest checkpoint's drafter (as shipped, and unquantized to the work dir) and
+    its record at once."""
+    from dspark_flow.models.draft_vocab import VOCAB_FILE
+    from dspark_flow.training.export import size_mb
+    from dspark_flow.training.trainer import work_dir
+
+    recipe = trainer.recipe
+    out = recipe.output_dir()
+    if trainer.model is None:
+        trainer.warm_up(target, tok)
+    summary["exported_step"] = trainer.load_weights_from()
+    # Export replaces the directory: keep the draft vocabulary (recounted after it if it can be).
+    kept = (out / VOCAB_FILE).read_bytes() if (out / VOCAB_FILE).is_file() else None
+    trainer.export(work_dir(recipe) / "float", quantize=None)
+    trainer.export(out, replace=replace)
+    if kept is not None:
+        write_atomic(out / VOCAB_FILE, lambda f: f.write(kept))
+    # The export replaced the card and the summary with the folder: record the new weights at
+    # once (without the old weights' evaluation), so that a failure or Ctrl-C in the stages
+    # after it leaves no drafter without its record. The end of the call rewrites it.
+    exported = {**previous, **summary, "size_mb": round(size_mb(out), 2)}
+    _write_record(recipe, out, {k: v for k, v in exported.items() if k not in EVAL_KEYS})
+
+
+def _eval_stage(
+    recipe: TrainRecipe, progress: bool, command: str | None, summary: dict[str, Any]
+) -> None:
+    """τ of the exported drafter (and its unquantized twin) on the eval prompts, with the target
+    in the runtime's format; records `eval`."""
+    from dspark_flow.models.loading import load
+    from dspark_flow.training.evaluate import evaluate_drafter, format_eval
+    from dspark_flow.training.trainer import work_dir
+
+    out = recipe.output_dir()
+    if not (out / "config.json").is_file():
+        raise DsparkFlowError(f"nothing to evaluate: {out} has no drafter (run the train stage)")
+    runtime, rtok = load(recipe.target.model, "auto", recipe.target.revision)
+    summary["eval"] = {}
+    summary["eval_device"], summary["eval_command"] = summary["device"], command
+    for label, path in (("shipped", out), ("float", work_dir(recipe) / "float")):
+        if (path / "config.json").is_file():
+            summary["eval"][label] = evaluate_drafter(
+                runtime,
+                rtok,
+                path,
+                recipe.eval.prompts,
+                max_new_tokens=recipe.eval.max_new_tokens,
+                progress=progress,
+            )
+            print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
+
+
+def _record_call(
+    recipe: TrainRecipe,
+    stages: tuple[str, ...],
+    summary: dict[str, Any],
+    previous: dict[str, Any],
+    producing: bool,
+) -> dict[str, Any]:
+    """Write this call's record into the work dir's summary and, where it exported or evaluated
+    the drafter there, the output's; returns the merged summary."""
+    from dspark_flow.training.data import read_json_object
+    from dspark_flow.training.export import exported_by
+    from dspark_flow.training.trainer import work_dir
+
+    out = recipe.output_dir()
+    running = work_dir(recipe) / SUMMARY
     # A call that trains nothing (vocab, export, eval) adds to each record its own: the work
     # dir's (a run perhaps still in progress) and the output's (the drafter shipped there).
     own_running = {} if producing else read_json_object(running)
@@ -285,8 +371,6 @@ def run_training(
     recount = "vocab" in stages and (out / "config.json").is_file()
     if out.is_dir() and ("export" in stages or "eval" in stages or recount):
         _write_record(recipe, out, summary)
-    if interrupted:  # Ctrl-C: the step, its checkpoint and this call's record are saved
-        raise KeyboardInterrupt
     return summary
 
 
