@@ -341,11 +341,16 @@ def test_what_a_second_audit_of_the_api_found(embedded, tmp_path):
     # said "use verifier 'reference'" (which it was using). It warms the drafter as a Pipeline does.
     other = load_target()[0]
     drafter = load_drafter("builtin:smollm2-135m-dspark", other)
+    pipe = Pipeline.from_dict({}, target=(other, tok), drafter=drafter).warm_up()
+    before = pipe.generate("What is 2+2?", max_new_tokens=6).token_ids
     cap = calibrate(
         (model, tok), drafter, mode="dspark", cache_dir=str(tmp_path), depths=[16],
         repeats=1, warmup=0, max_k=2,
     )  # fmt: skip
     assert cap.curves.block == 2
+    # ...and goes back: a Pipeline warmed with it before still reads its own target.
+    assert drafter.bound_to is other
+    assert pipe.generate("What is 2+2?", max_new_tokens=6).token_ids == before
 
 
 def test_the_wrappers_name_themselves_for_keywords_they_do_not_take(embedded):

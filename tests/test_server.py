@@ -696,6 +696,31 @@ def test_shutdown_ends_a_stream_with_an_error_event(embedded):
     assert error["type"] == "server_error" and "shutting down" in error["message"]
 
 
+def test_after_the_shutdown_began_requests_get_503_and_the_abort_takes_no_lock(embedded):
+    """The shutdown's abort runs in a signal handler on the event loop's thread, which may sit
+    inside the queue's own (non-reentrant) lock: taking it there hung the server for good."""
+    pipeline = build_pipeline(RECIPE, target=embedded)
+    engine = Engine(pipeline, warmup=False).start()
+    engine.wait_ready(timeout=300)
+    config = ServerConfig.for_recipe(pipeline.recipe, api_key=KEY)
+    try:
+        with BackgroundServer(create_app(engine, config)) as running:
+
+            def abort_inside_the_lock() -> None:
+                with engine._jobs.mutex:  # as if the signal landed inside submit()
+                    engine.abort_all()
+
+            worker = threading.Thread(target=abort_inside_the_lock, daemon=True)
+            worker.start()
+            worker.join(timeout=10)
+            assert not worker.is_alive(), "abort_all blocked on the queue's lock"
+            url = f"{running.url}/v1/chat/completions"
+            late = httpx.post(url, json=GOOD_CHAT, headers=BEARER, timeout=30)
+            assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    finally:
+        engine.stop()
+
+
 def test_a_full_queue_answers_429_in_each_dialect(embedded):
     pipeline = build_pipeline(RECIPE, target=embedded)
     engine = Engine(pipeline, warmup=False).start()

@@ -109,6 +109,8 @@ def bench(
     if not recipes:
         raise DsparkFlowError("name at least one recipe")
     # Prompts first: a bad prompts file should fail before minutes of model loading.
+    if isinstance(prompts, (str, Path)):  # one file, not its characters
+        prompts = [prompts]
     ready = [p for p in prompts if isinstance(p, BenchPrompt)]
     files = [p for p in prompts if not isinstance(p, BenchPrompt)]
     if ready and files:

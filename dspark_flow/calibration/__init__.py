@@ -143,6 +143,10 @@ def calibrate(
             f"got {type(model).__name__}"
         )
     sampler = GreedySampler()
+    # A ready drafter bound to another instance of the target (load_pair's own) is warmed
+    # against this one here, and goes back afterwards, or a Pipeline holding it would read this
+    # one's features.
+    bound_before = getattr(drafter, "bound_to", None)
     ready = _drafter_for(
         mode,
         drafter,
@@ -154,20 +158,29 @@ def calibrate(
         tokenizer,
         sampler,
     )
-    curves, path, _ = obtain_curves(
-        model,
-        ready,
-        sampler=sampler,
-        tokenizer=tokenizer,
-        target_ref=target_repo,
-        target_revision=target_revision,
-        block=drafter_block(ready, config.max_k),
-        depths=config.depths,
-        repeats=config.repeats,
-        warmup=config.warmup,
-        force=force,
-        store=CurveStore(cache_dir) if cache_dir else None,
-    )
+    try:
+        curves, path, _ = obtain_curves(
+            model,
+            ready,
+            sampler=sampler,
+            tokenizer=tokenizer,
+            target_ref=target_repo,
+            target_revision=target_revision,
+            block=drafter_block(ready, config.max_k),
+            depths=config.depths,
+            repeats=config.repeats,
+            warmup=config.warmup,
+            force=force,
+            store=CurveStore(cache_dir) if cache_dir else None,
+        )
+    finally:
+        if bound_before is not None and bound_before is not model:
+            from dspark_flow.strategy import BuildContext, warm
+
+            back = BuildContext(
+                model=bound_before, tokenizer=tokenizer, recipe=None, sampler=sampler
+            )
+            warm(ready, back)
     cap = AutoCap(config, curves=curves)
     cap.cache_path = path
     cap.calibrated_for = drafter_identity(ready)

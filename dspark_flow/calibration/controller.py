@@ -35,6 +35,7 @@ from dspark_flow.calibration.estimators import (
     RoundCostOffset,
     RoundCostRatios,
 )
+from dspark_flow.errors import ConfigError
 from dspark_flow.log import get_logger
 from dspark_flow.strategy import (
     COPY_SOURCE,
@@ -721,7 +722,8 @@ def _recipe_verifier(ctx: BuildContext) -> tuple[Any, str]:
         from dspark_flow import registry
 
         built = warm(construct(registry.load_kind("verifier", config.kind), config), ctx)
-        assert isinstance(built, Verifier)
+        if not isinstance(built, Verifier):
+            raise ConfigError(f"verifier {config.kind}: not a Verifier ({type(built).__name__})")
         verifier = built
     if verifier_identity(verifier) == "reference":
         return None, "reference"

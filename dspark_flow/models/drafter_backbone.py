@@ -131,7 +131,8 @@ class DraftAttention(nn.Module):
         mask: mx.array | None,
     ) -> mx.array:
         """The block's queries over [context keys, block keys] (heads first)."""
-        if ctx_k is not None and ctx_v is not None:
+        if ctx_k is not None:
+            assert ctx_v is not None, "keys and values come in pairs"
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
         if self.matmul_attention:
@@ -321,7 +322,8 @@ class DrafterBackbone(nn.Module):
             else:
                 k, v = layer.self_attn.keys_values(h, state.end, self._rope)
             ctx_k, ctx_v = state.keys[i], state.values[i]
-            if ctx_k is not None and ctx_v is not None:
+            if ctx_k is not None:
+                assert ctx_v is not None, "keys and values come in pairs"
                 k = mx.concatenate([ctx_k, k], axis=2)
                 v = mx.concatenate([ctx_v, v], axis=2)
             window = self.cfg.window(i)

@@ -33,6 +33,10 @@ log = get_logger()
 WARMUP_PROMPT = "Hello"
 
 
+def _closing() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error")
+
+
 def _cancelled() -> ApiError:
     """What a cancelled job's consumer receives (nginx's "client closed request"; it is never
     delivered: the client has gone)."""
@@ -58,7 +62,7 @@ class Job:
         self._items: asyncio.Queue[str | Finished | BaseException] = asyncio.Queue()
 
     def put(self, item: str | Finished | BaseException) -> None:
-        """Called from the worker thread."""
+        """Called from the worker thread (and from the shutdown's signal handler)."""
         try:
             self._loop.call_soon_threadsafe(self._items.put_nowait, item)
         except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
@@ -131,6 +135,7 @@ class Engine:
         self._loaded = threading.Event()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
+        self._closing = False  # set by abort_all: the server is stopping
         self._thread = threading.Thread(target=self._work, name="dspark-flow-engine", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -150,16 +155,21 @@ class Engine:
         if self.load_error is not None:
             raise self.load_error
 
-    def abort_all(self, reason: str = "the server is shutting down") -> int:
+    def abort_all(self) -> int:
         """End every queued and running request with a 503 in its own dialect (a stream gets
-        an error event and its end) instead of leaving them to be cut off; returns how many."""
-        with self._jobs.mutex:
-            jobs = [j for j in self._jobs.queue if j is not None]
+        an error event and its end) instead of leaving them to be cut off, and every later one
+        at once; returns how many were ended here.
+
+        Runs in a signal handler, on the event loop's thread, which may have been interrupted
+        inside the queue's own lock (submit, waiting): it takes no lock. The closing flag covers
+        a job between the queue and `_running`, and requests submitted after it."""
+        self._closing = True
+        jobs = [j for j in list(self._jobs.queue) if j is not None]  # one C call: atomic
         running = self._running
         if running is not None and running not in jobs:
             jobs.append(running)
         for job in jobs:
-            job.abort(ApiError(503, reason, type="server_error"))
+            job.abort(_closing())
         return len(jobs)
 
     def stop(self) -> None:
@@ -186,7 +196,10 @@ class Engine:
     def submit(self, request: GenRequest) -> Job:
         """Queue a request (call from the event loop); consume `job.items()`."""
         job = Job(request, asyncio.get_running_loop())
-        self._jobs.put(job)
+        if self._closing:
+            job.abort(_closing())
+        else:
+            self._jobs.put(job)
         return job
 
     # -- the worker thread -------------------------------------------------------------------
@@ -226,6 +239,8 @@ class Engine:
             job = self._jobs.get()
             if job is None:
                 return
+            if self._closing and not job.cancelled.is_set():  # taken while abort_all ran
+                job.abort(_closing())
             if job.cancelled.is_set():
                 self.cancelled += 1
                 job.put(_cancelled())  # a consumer may still be waiting: let it finish
@@ -256,9 +271,12 @@ class Engine:
         )
         try:
             for event in events:
+                if self._closing and not job.cancelled.is_set():  # abort_all may have missed it
+                    job.abort(_closing())
                 if job.cancelled.is_set():
                     self.cancelled += 1
-                    log.info("generation cancelled", reason="client went away")
+                    reason = "server shutting down" if self._closing else "client went away"
+                    log.info("generation cancelled", reason=reason)
                     job.put(_cancelled())
                     return
                 if isinstance(event, TextEvent):

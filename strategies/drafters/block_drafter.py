@@ -241,6 +241,12 @@ class BlockDrafter(Drafter):
             self._target = ctx.model
 
     @property
+    def bound_to(self) -> Any:
+        """The target whose features it reads (None before warm_up); warm_up with another
+        model moves it there."""
+        return self._target
+
+    @property
     def matmul_attention(self) -> bool:
         return matmul_chosen(self.config.attention)
 
