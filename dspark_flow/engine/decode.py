@@ -173,7 +173,8 @@ def decode(
     stream_text: bool = True,
     started: float | None = None,
 ) -> Iterator[Event]:
-    """Generate after `prompt_ids`; yield committed text as it becomes final, then the result.
+    """Generate after `prompt_ids`; yield committed text as it becomes final, then the result
+    (and, before them, a PrefillEvent per chunk of a long prompt read).
 
     With `stream_text=False` no TextEvents come (text is decoded once at the end unless a stop
     string needs it sooner).
