@@ -82,6 +82,16 @@ def test_health_and_models(server, oai):
     assert h["cache"]["kind"] == "prefix" and h["target"] == "builtin:smollm2-135m"
     assert [m.id for m in oai.models.list()] == [MODEL]
     assert oai.models.retrieve("builtin:smollm2-135m").id == MODEL  # the target ref is an alias
+    first = oai.models.list().data[0].created
+    time.sleep(1.1)
+    assert oai.models.retrieve(MODEL).created == first  # when serving began, not the request's
+
+
+def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions/", json=GOOD_CHAT, headers=BEARER)
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/messages/", json=GOOD_MSG, headers=XKEY)
+    assert r.status_code == 404 and r.json()["type"] == "error"
 
 
 def test_prefix_cache_is_the_default_unless_the_user_picks_one():

@@ -59,7 +59,16 @@ async def _collect(job: Job, request: Request) -> Finished:
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="dspark-flow", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirect for a trailing slash: a 307 on a POST is a hop many clients do not take; the
+    # path is then unknown, answered 404 in the caller's dialect like any other.
+    app = FastAPI(
+        title="dspark-flow",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    created = int(time.time())  # the model's "created" in /v1/models: when it began serving
     app.state.engine = engine
     app.state.config = config
 
@@ -147,13 +156,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> JSONResponse:
         check_api_key(request, config.api_key)
-        return JSONResponse({"object": "list", "data": [_model_card(config.model_id)]})
+        return JSONResponse({"object": "list", "data": [_model_card(config.model_id, created)]})
 
     @app.get("/v1/models/{name:path}")
     async def model(request: Request, name: str) -> JSONResponse:
         check_api_key(request, config.api_key)
         check_model(name)
-        return JSONResponse(_model_card(config.model_id))
+        return JSONResponse(_model_card(config.model_id, created))
 
     async def openai_generate(request: Request, chat: bool) -> Response:
         """Chat and text completions differ only in request model, encoding and reply shape."""
@@ -206,10 +215,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _model_card(model_id: str) -> dict[str, Any]:
+def _model_card(model_id: str, created: int) -> dict[str, Any]:
     return {
         "id": model_id,
         "object": "model",
-        "created": int(time.time()),
+        "created": created,
         "owned_by": "dspark-flow",
     }
