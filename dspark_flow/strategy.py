@@ -13,8 +13,9 @@ import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from dspark_flow.arrays import int_list
 from dspark_flow.errors import DsparkFlowError, StrategyError
 from dspark_flow.recipe.section import Section
 
@@ -113,7 +114,7 @@ class Draft:
     def resolve(self, values: list[int] | None = None) -> Draft:
         """Bring pending ids to the host (from `values`, fetched with others, or a sync)."""
         if self.pending is not None:
-            ids = cast("list[int]", self.pending.tolist()) if values is None else values
+            ids = int_list(self.pending) if values is None else values
             self.tokens = [int(t) for t in ids]
             self.pending = None
         return self

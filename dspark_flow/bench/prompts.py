@@ -104,11 +104,12 @@ def load_prompts(paths: Sequence[str | Path] = (), limit: int | None = None) -> 
     for path in paths or [default_prompts_path()]:
         for category, prompt in load_prompt_file(path):
             per_category.setdefault(category, []).append(prompt)
-    prompts: list[BenchPrompt] = []
-    for category, texts in per_category.items():
-        for i, text in enumerate(texts[:limit] if limit is not None else texts):
-            prompts.append(BenchPrompt(id=f"{category}-{i}", category=category, text=text))
-    return prompts
+    prompts = [
+        BenchPrompt(id=f"{category}-{i}", category=category, text=text)
+        for category, texts in per_category.items()
+        for i, text in enumerate(texts)
+    ]
+    return first_per_category(prompts, limit)
 
 
 def first_per_category(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:

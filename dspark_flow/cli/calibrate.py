@@ -88,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
     if args.depths is not None:  # an empty --depths "" is a slip, not the defaults
         try:
             depths = [int(d) for d in args.depths.split(",") if d.strip()]
+            if not depths:
+                raise ValueError
         except ValueError:
             raise DsparkFlowError(
-                f"--depths {args.depths}: expected integers like 64,512"
+                f"--depths {args.depths!r}: expected integers like 64,512"
             ) from None
-        if not depths:
-            raise DsparkFlowError(f"--depths {args.depths!r}: expected integers like 64,512")
     repeats = args.repeats if args.repeats is not None else settings.get("repeats") or 5
     if repeats < 1 or not depths or min(depths) < 1:
         raise DsparkFlowError("--repeats and every depth must be at least 1")

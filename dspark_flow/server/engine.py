@@ -172,6 +172,11 @@ class Engine:
             job.abort(_closing())
         return len(jobs)
 
+    def _end_if_closing(self, job: Job) -> None:
+        """A job abort_all did not reach ends with the same 503 once the server is closing."""
+        if self._closing and not job.cancelled.is_set():
+            job.abort(_closing())
+
     def stop(self) -> None:
         self._jobs.put(None)
         if self._thread.is_alive():
@@ -239,8 +244,7 @@ class Engine:
             job = self._jobs.get()
             if job is None:
                 return
-            if self._closing and not job.cancelled.is_set():  # taken while abort_all ran
-                job.abort(_closing())
+            self._end_if_closing(job)  # taken while abort_all ran
             if job.cancelled.is_set():
                 self.cancelled += 1
                 job.put(_cancelled())  # a consumer may still be waiting: let it finish
@@ -271,8 +275,7 @@ class Engine:
         )
         try:
             for event in events:
-                if self._closing and not job.cancelled.is_set():  # abort_all may have missed it
-                    job.abort(_closing())
+                self._end_if_closing(job)  # abort_all may have missed it
                 if job.cancelled.is_set():
                     self.cancelled += 1
                     reason = "server shutting down" if self._closing else "client went away"
