@@ -258,6 +258,8 @@ def load_drafter(
     if ref is None:
         raise ConfigError("load_drafter: checkpoint is a drafter name or path, got None")
     _check_target(target, "load_drafter")
+    if kind is None and (hint := _kind_not_checkpoint(ref)):
+        raise ConfigError(f"load_drafter: {ref!r} is a drafter kind, not a checkpoint; {hint}")
     if kind is not None and not issubclass(_drafter_class(kind), BlockDrafter):
         raise ConfigError(  # before anything is downloaded
             f"load_drafter: kind {kind!r} loads no checkpoint; trained drafters are dspark or "
@@ -271,6 +273,19 @@ def load_drafter(
     assert isinstance(drafter, BlockDrafter)  # (its kind was checked above, or is one of ours)
     drafter.load_path(path)
     return warm(drafter, BuildContext(model=target, tokenizer=None, recipe=None))
+
+
+def _kind_not_checkpoint(ref: str) -> str | None:
+    """What to do instead when `ref` names a drafter kind ('lookup', 'dspark', ...) and no local
+    folder: the caller meant the kind, and the hub would only say 'not found'."""
+    from dspark_flow import registry
+    from dspark_flow.strategies.drafters.block_drafter import BlockDrafter
+
+    if os.path.exists(ref) or ref not in registry.kind_names("drafter"):
+        return None
+    if issubclass(registry.load_kind("drafter", ref), BlockDrafter):
+        return "pass its checkpoint (builtin:<name>, a local folder or a hub id; see load_pair)"
+    return "use lookup_generate or draft_model_generate, or a recipe's drafter section"
 
 
 def _drafter_class(kind: Any) -> type:

@@ -373,6 +373,22 @@ def test_the_wrappers_name_themselves_for_keywords_they_do_not_take(embedded):
         assert "run_recipe" not in str(info.value)
 
 
+def test_a_drafter_kind_given_as_a_checkpoint_is_named_before_the_hub_is_asked(embedded, tmp_path, monkeypatch):
+    # speculative_generate(..., "lookup") went to the hub for a repo called 'lookup'.
+    from dspark_flow import load_drafter, speculative_generate
+
+    model, tok = embedded
+    with pytest.raises(ConfigError, match="'lookup' is a drafter kind, not a checkpoint; use lookup_generate"):
+        speculative_generate(model, tok, "lookup", "hi", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="'dspark' is a drafter kind, not a checkpoint; pass its checkpoint"):
+        load_drafter("dspark", model)
+    # A local folder of that name is still a checkpoint, read as one.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dspark").mkdir()
+    with pytest.raises(ModelError, match="dspark"):
+        load_drafter("dspark", model)
+
+
 def test_a_revision_for_the_built_in_model_is_refused(capsys):
     from dspark_flow import load_target
 
