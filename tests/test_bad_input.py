@@ -373,14 +373,20 @@ def test_the_wrappers_name_themselves_for_keywords_they_do_not_take(embedded):
         assert "run_recipe" not in str(info.value)
 
 
-def test_a_drafter_kind_given_as_a_checkpoint_is_named_before_the_hub_is_asked(embedded, tmp_path, monkeypatch):
+def test_a_drafter_kind_given_as_a_checkpoint_is_named_before_the_hub_is_asked(
+    embedded, tmp_path, monkeypatch
+):
     # speculative_generate(..., "lookup") went to the hub for a repo called 'lookup'.
     from dspark_flow import load_drafter, speculative_generate
 
     model, tok = embedded
-    with pytest.raises(ConfigError, match="'lookup' is a drafter kind, not a checkpoint; use lookup_generate"):
+    with pytest.raises(
+        ConfigError, match="'lookup' is a drafter kind, not a checkpoint; use lookup_generate"
+    ):
         speculative_generate(model, tok, "lookup", "hi", max_new_tokens=2)
-    with pytest.raises(ConfigError, match="'dspark' is a drafter kind, not a checkpoint; pass its checkpoint"):
+    with pytest.raises(
+        ConfigError, match="'dspark' is a drafter kind, not a checkpoint; pass its checkpoint"
+    ):
         load_drafter("dspark", model)
     # A local folder of that name is still a checkpoint, read as one.
     monkeypatch.chdir(tmp_path)
@@ -544,6 +550,11 @@ def test_a_data_cache_folder_of_the_users_is_refused_before_anything_is_cleared(
     ):
         check_cache_folder(mine)
     assert (mine / "notes.tmp").read_text() == "draft"
+    torn = tmp_path / "torn"  # our own manifest, cut short: remade, not a reason to refuse
+    torn.mkdir()
+    (torn / "manifest.json").write_text('{"format": 1, "ke')
+    (torn / "shard_00000.npz").write_bytes(b"")
+    check_cache_folder(torn)
     ours = tmp_path / "ours"
     ours.mkdir()
     for name in (

@@ -142,6 +142,31 @@ def test_a_stop_string_ends_speculation_where_it_ends_greedy_decoding(embedded):
         assert sum(spec.accept_lengths) == sum(plain.accept_lengths) == plain.num_tokens - 1
 
 
+def test_a_stop_string_that_later_tokens_rewrite_away_still_stops_a_round():
+    """Hugging Face's clean-up rewrites " ' s" to "'s": plain decoding saw the stop "x '" after
+    two tokens; a round committing four at once decoded only "x's y" and ran on past it."""
+    from dspark_flow.engine.textstream import TextStream
+    from dspark_flow.strategies.stops.strings import StringsConfig, StringsStop
+
+    pieces = {0: "x", 1: " '", 2: " s", 3: " y"}
+
+    class CleaningTokenizer:
+        clean_up_tokenization_spaces = True
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(pieces[i] for i in ids).replace(" ' ", "'").replace(" 's", "'s")
+
+    stops = [StringsStop(StringsConfig(strings=["x '"]))]
+    ids = [0, 1, 2, 3]
+    plain = TextStream(CleaningTokenizer(), stops, None)
+    kept = next(k for m in range(1, 5) if (k := plain.update(ids[:m])) is not None)
+    assert kept == 2
+    for first_round in (1, 0):  # a round of one token then three, and all four in one
+        spec = TextStream(CleaningTokenizer(), stops, None)
+        assert first_round == 0 or spec.update(ids[:first_round]) is None
+        assert spec.update(ids) == kept
+
+
 @pytest.mark.parametrize("shape", ["keeps its token", "drops the end of a pair"])
 def test_a_plugin_stop_rule_counts_rounds_as_plain_decoding_does(embedded, shape):
     """A stop rule's index says where output ends, not which token stopped it: the last round
@@ -393,10 +418,13 @@ def test_a_recipe_without_a_token_budget_stops_where_the_context_ends(embedded):
     res = pipe.generate(prompt)
     assert res.finish_reason == "length"
     assert res.num_tokens == 48 - len(pipe.encode_prompt(prompt))
+    # A max_tokens past the context stops there too (it ran on past the trained positions).
+    assert pipe.generate(prompt, max_new_tokens=500).token_ids == res.token_ids
 
 
 @pytest.mark.parametrize(
-    ("proposal", "words"), [(10**9, "outside the vocabulary"), (None, "not a Draft")]
+    ("proposal", "words"),
+    [(10**9, "outside the vocabulary"), (None, "not a Draft"), ([1] * 3, "proposed 3 tokens")],
 )
 def test_a_drafter_proposing_what_no_forward_can_take_is_named(embedded, proposal, words):
     """A plugin drafter's ids past the embedding would crash the verify forward (a segfault on
@@ -416,6 +444,8 @@ def test_a_drafter_proposing_what_no_forward_can_take_is_named(embedded, proposa
             return 2
 
         def propose(self, history: list[int], k: int) -> Draft:
+            if isinstance(proposal, list):  # more than asked for: past the budget, exact rows
+                return Draft(tokens=proposal)
             return None if proposal is None else Draft(tokens=[proposal] * k)  # type: ignore[return-value]
 
     recipe = {"draft_cap": {"kind": "fixed", "k": 2}, "stop": [{"kind": "max_tokens", "limit": 8}]}

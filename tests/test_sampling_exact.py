@@ -128,6 +128,26 @@ def test_draft_model_drafts_through_a_sampler_without_sample_from():
         assert draft.probs[i, token].item() > 0
 
 
+@pytest.mark.parametrize("extra", [8, -8])
+def test_a_draft_model_of_another_width_drafts_over_the_target_s_ids(embedded, extra):
+    """Same tokenizer, embeddings padded differently: q had the draft's width and the verify's
+    p - q failed to broadcast at any temperature > 0."""
+    from dspark_flow.api import draft_model_generate, greedy_generate
+    from tests.tiny import VOCAB, tiny_model
+
+    target, tok = tiny_model(seed=0), embedded[1]
+    draft = tiny_model(seed=5, vocab=VOCAB + extra)
+    res = draft_model_generate(
+        target, tok, draft, [1, 504, 2031], max_new_tokens=6, temperature=1.0, seed=3
+    )
+    assert res.num_tokens == 6 and res.num_rounds < 6  # drafts were proposed and verified
+    plain = greedy_generate(target, tok, [1, 504, 2031], max_new_tokens=6)
+    assert (
+        draft_model_generate(target, tok, draft, [1, 504, 2031], max_new_tokens=6).token_ids
+        == plain.token_ids
+    )
+
+
 def test_processed_probs_stay_a_distribution_where_settings_round_to_zero():
     logits = mx.array([[1.0, 3.0, 2.0, -1.0], [0.5, 0.1, -2.0, 7.0]])
     for probs in (

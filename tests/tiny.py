@@ -30,10 +30,10 @@ def tiny_args(seed: int = 0, hidden: int = 32) -> dict:
     }
 
 
-def tiny_model(seed: int = 0, scale: float = 4.0) -> llama.Model:
+def tiny_model(seed: int = 0, scale: float = 4.0, vocab: int = VOCAB) -> llama.Model:
     """Random weights; `scale` sharpens the output distribution so top tokens differ."""
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs(**tiny_args(seed)))
+    model = llama.Model(llama.ModelArgs(**{**tiny_args(seed), "vocab_size": vocab}))
     model.model.embed_tokens.weight = model.model.embed_tokens.weight * scale
     mx.eval(model.parameters())
     return model

@@ -122,13 +122,16 @@ def _prefill(
     return cache, logits, forwards + 1
 
 
-def _check_draft(drafter: Drafter, draft: Any, vocab: int | None) -> None:
+def _check_draft(drafter: Drafter, draft: Any, k: int, vocab: int | None) -> None:
     """A drafter (a plugin's, say) that proposes ids outside the target's embedding would crash
-    the verify forward's lookup (a segfault on the CPU): name it instead. Lazy drafts come from
-    the built-in block drafters, whose ids are the draft head's own rows."""
+    the verify forward's lookup (a segfault on the CPU): name it instead; likewise more tokens
+    than asked for, which would pass the token budget and the verifier's exact rows. Lazy
+    drafts come from the built-in block drafters, whose ids are the draft head's own rows."""
     name = type(drafter).__name__
     if not isinstance(draft, Draft):
         raise ConfigError(f"drafter {name}: propose() returned {type(draft).__name__}, not a Draft")
+    if len(draft.tokens) > k:
+        raise ConfigError(f"drafter {name} proposed {len(draft.tokens)} tokens, asked for {k}")
     if vocab is not None:
         bad = next((t for t in draft.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -180,21 +183,9 @@ def decode(
     string needs it sooner).
     """
     t0 = started if started is not None else time.perf_counter()
-    if not prompt_ids:
-        raise PromptError("the prompt is empty")
-    limit = context_limit(c.model)
-    if limit is not None and len(prompt_ids) >= limit:  # as the server's context_length_exceeded
-        raise PromptError(
-            f"the prompt has {len(prompt_ids)} tokens; this model's context holds {limit}"
-        )
+    budget, context_end = _output_budget(c, prompt_ids)
     pending: list[str] = []
     stream = TextStream(c.tokenizer, c.stops, pending.append if stream_text else None)
-    budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)
-    context_end = None
-    if budget is None and limit is not None:
-        # No rule bounds the output (a recipe without max_tokens): stop where the model's
-        # trained context ends rather than run on until memory does.
-        budget = context_end = max(1, limit - len(prompt_ids))
     exact_rows = c.verifier.exact_rows  # a verify past them would not be greedy's arithmetic
     max_draft = c.drafter.max_draft  # what the cap may ask for (None: the cap's own bound)
     if exact_rows is not None and max_draft is not None:
@@ -237,17 +228,11 @@ def decode(
 
         # One round.
         t_round = time.perf_counter()
+        history: list[int] = []  # plain decoding never needs the whole history
         source, k = DRAFTER_SOURCE, 0
-        if drafting:  # plain decoding never needs the whole history
+        if drafting:
             history = prompt_ids + generated
-            # A cap that does not read the source chooses without it; rounds that draft still
-            # learn it for observe(), so only rounds drafting nothing skip the copy search.
-            reads = c.draft_cap.reads_source
-            if reads:
-                source = c.drafter.source(history)
-            k = c.draft_cap.choose(max_draft, source)
-            if k > 0 and not reads:
-                source = c.drafter.source(history)
+            source, k = _draft_size(c, max_draft, history)
         if budget is not None:
             k = min(k, budget - len(generated) - 1)  # the target's own token always comes too
         if exact_rows is not None:  # whatever the cap chose
@@ -256,7 +241,7 @@ def decode(
             k = 0
         draft = c.drafter.propose(history, k) if k > 0 else Draft()
         if not isinstance(draft, Draft) or (draft.pending is None and draft.tokens):
-            _check_draft(c.drafter, draft, vocab)
+            _check_draft(c.drafter, draft, k, vocab)
         if draft.pending is not None:  # the drafter computes while the verify graph is built
             mx.async_eval(draft.pending)
         features_taken = ahead is not None  # after_forward ran when that forward was built
@@ -302,22 +287,67 @@ def decode(
     for piece in pending:
         yield TextEvent(piece)
     c.cache.finish(cache, prompt_ids + generated[:-1])
+    yield DoneEvent(
+        _result(text, generated, accept_lengths, forwards, finish, (t0, t_prefill, t_first))
+    )
+
+
+def _result(
+    text: str,
+    generated: list[int],
+    accept_lengths: list[int],
+    forwards: int,
+    finish: str,
+    times: tuple[float, float, float],
+) -> GenResult:
+    """The figures of a finished generation; `times`: when it started, when the prefill began,
+    when the first token was there."""
+    t0, t_prefill, t_first = times
     t_end = time.perf_counter()
     n = len(generated)
     decode_time = t_end - t_first
-    yield DoneEvent(
-        GenResult(
-            text=text,
-            token_ids=generated,
-            num_tokens=n,
-            num_rounds=len(accept_lengths),
-            target_forwards=forwards,
-            mean_accept_len=(sum(accept_lengths) / len(accept_lengths)) if accept_lengths else 1.0,
-            tokens_per_sec=n / (t_end - t0) if t_end > t0 else 0.0,
-            decode_tokens_per_sec=(n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0,
-            prefill_seconds=t_first - t_prefill,
-            ttft_seconds=t_first - t0,
-            finish_reason=finish,  # type: ignore[arg-type]
-            accept_lengths=accept_lengths,
-        )
+    return GenResult(
+        text=text,
+        token_ids=generated,
+        num_tokens=n,
+        num_rounds=len(accept_lengths),
+        target_forwards=forwards,
+        mean_accept_len=(sum(accept_lengths) / len(accept_lengths)) if accept_lengths else 1.0,
+        tokens_per_sec=n / (t_end - t0) if t_end > t0 else 0.0,
+        decode_tokens_per_sec=(n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0,
+        prefill_seconds=t_first - t_prefill,
+        ttft_seconds=t_first - t0,
+        finish_reason=finish,  # type: ignore[arg-type]
+        accept_lengths=accept_lengths,
     )
+
+
+def _output_budget(c: Components, prompt_ids: list[int]) -> tuple[int | None, int | None]:
+    """(most tokens to generate, or None; the same when it is where the model's context ends).
+    Refuses a prompt that is empty or fills the context."""
+    if not prompt_ids:
+        raise PromptError("the prompt is empty")
+    limit = context_limit(c.model)
+    if limit is not None and len(prompt_ids) >= limit:  # as the server's context_length_exceeded
+        raise PromptError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context holds {limit}"
+        )
+    budget = min((b for s in c.stops if (b := s.token_budget) is not None), default=None)
+    room = limit - len(prompt_ids) if limit is not None else None
+    if room is not None and (budget is None or room < budget):
+        # Stop where the model's trained context ends (as the server refuses to pass it), not
+        # run on past it (with a max_tokens beyond it) or until memory ends (without one).
+        return room, room
+    return budget, None
+
+
+def _draft_size(c: Components, max_draft: int | None, history: list[int]) -> tuple[Any, int]:
+    """(where this round's draft comes from, how many tokens the cap asks for)."""
+    # A cap that does not read the source chooses without it; rounds that draft still learn it
+    # for observe(), so only rounds drafting nothing skip the drafter's copy search.
+    reads = c.draft_cap.reads_source
+    source = c.drafter.source(history) if reads else DRAFTER_SOURCE
+    k = c.draft_cap.choose(max_draft, source)
+    if k > 0 and not reads:
+        source = c.drafter.source(history)
+    return source, k

@@ -26,6 +26,9 @@ class TextStream:
         self.emitted = ""  # everything passed to on_text so far
         self.checked = 0  # characters already searched for stop strings
         self.seen = 0  # tokens already searched for them
+        # Hugging Face's clean-up ("x ' s" -> "x's") lets more tokens rewrite earlier text, so a
+        # stop string one prefix shows may be gone from a longer one.
+        self.rewrites_text = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self._text = ""
 
     @property
@@ -42,6 +45,12 @@ class TextStream:
         time. A speculative round commits several at once, and tokens past the stop would
         make its token ids differ from plain decoding's (its text, cut at the stop, did not)."""
         stable, cut = self._find_stop(token_ids)
+        if self.rewrites_text and cut is None:
+            # Each prefix the round skipped, as plain decoding saw them one token at a time.
+            for m in range(self.seen + 1, len(token_ids)):
+                stable_m, cut_m = self._find_stop(token_ids[:m])
+                if cut_m is not None:
+                    return self._stop(m, stable_m, cut_m)
         if cut is None:
             self.seen = len(token_ids)
             self.checked = len(stable)
@@ -49,8 +58,9 @@ class TextStream:
             self._text = stable
             self._emit(stable[: len(stable) - hold])
             return None
-        # Once visible a stop string stays visible as tokens are appended: bisect the round
-        # (a copied run can commit hundreds of tokens) for the fewest tokens that show one.
+        # Once visible a stop string stays visible as tokens are appended (with no clean-up,
+        # and the scan above found none before): bisect the round (a copied run can commit
+        # hundreds of tokens) for the fewest tokens that show one.
         low, keep = self.seen + 1, len(token_ids)
         while low < keep:
             mid = (low + keep) // 2
@@ -59,6 +69,9 @@ class TextStream:
                 low = mid + 1
             else:
                 keep, stable, cut = mid, stable_mid, cut_mid
+        return self._stop(keep, stable, cut)
+
+    def _stop(self, keep: int, stable: str, cut: int) -> int:
         self._text = stable[:cut]
         self._emit(self._text)
         return keep

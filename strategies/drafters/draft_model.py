@@ -16,6 +16,7 @@ from pydantic import Field
 
 from dspark_flow.arrays import int_list
 from dspark_flow.errors import ConfigError
+from dspark_flow.models.context import config_vocab_size
 from dspark_flow.recipe.schema import WeightFormat
 from dspark_flow.strategy import (
     BuildContext,
@@ -46,6 +47,7 @@ class DraftModelDrafter(Drafter):
         self._cache: list[Any] = []
         self._fed: list[int] = []
         self._sampler: Sampler | None = None
+        self._width: int | None = None  # the target's logits, which the draft's must match
 
     def warm_up(self, ctx: BuildContext) -> None:
         if self.model is None:
@@ -54,6 +56,9 @@ class DraftModelDrafter(Drafter):
             cfg = self.config
             self.model, tokenizer = load(cfg.model, cfg.weights, cfg.revision)
             check_same_tokenizer(ctx.tokenizer, tokenizer, self.config.model)
+        # Models of one family share a tokenizer but pad their embeddings differently
+        # (Qwen2.5-0.5B 151,936 rows, -7B 152,064).
+        self._width = config_vocab_size(ctx.model)
         if not can_trim_prompt_cache(make_prompt_cache(self.loaded)):
             raise ConfigError(f"draft model {self.config.model}: its cache cannot be trimmed")
 
@@ -81,7 +86,18 @@ class DraftModelDrafter(Drafter):
             trim_prompt_cache(self._cache, len(self._fed) - common)
         logits = self.loaded(mx.array(history[common:], dtype=mx.uint32)[None], cache=self._cache)
         self._fed = list(history)
-        return logits[0, -1]
+        return self._fit(logits[0, -1])
+
+    def _fit(self, logits: mx.array) -> mx.array:
+        """The draft's logits over the target's ids: padding rows past the target's are never
+        drafted, ids past the draft's own get no mass. q is what the draft samples from, so
+        speculative sampling stays exact."""
+        width, have = self._width, logits.shape[-1]
+        if width is None or width == have:
+            return logits
+        if have > width:
+            return logits[..., :width]
+        return mx.concatenate([logits, mx.full((width - have,), -mx.inf, logits.dtype)])
 
     def propose(self, history: list[int], k: int) -> Draft:
         assert self._sampler is not None, "begin() first"
@@ -98,9 +114,8 @@ class DraftModelDrafter(Drafter):
                 token = self._sampler.sample_from(q)
             tokens.append(token)
             if i + 1 < k:  # the last draft token is fed next round, if accepted
-                logits = self.loaded(token.reshape(1, 1).astype(mx.uint32), cache=self._cache)[
-                    0, -1
-                ]
+                step = self.loaded(token.reshape(1, 1).astype(mx.uint32), cache=self._cache)
+                logits = self._fit(step[0, -1])
         ids = int_list(mx.stack(tokens))
         self._fed += ids[:-1]
         return Draft(tokens=ids, probs=mx.stack(dists) if dists else None)
