@@ -453,6 +453,13 @@ def test_a_data_stage_that_fails_before_writing_leaves_no_empty_cache(embedded, 
     with pytest.raises(DsparkFlowError, match="no training prompt fits"):
         run_training(tight, stages=("data",), progress=False)
     assert not data_cache_dir(tight).exists()
+    # Nor does it delete data an earlier recipe made in that folder (it cleared it first).
+    run_training(TrainRecipe.model_validate(spec), stages=("data",), progress=False)
+    made = sorted(p.name for p in data_cache_dir(tight).iterdir())
+    with pytest.raises(DsparkFlowError, match="no training prompt fits"):
+        run_training(tight, stages=("data",), progress=False)
+    assert sorted(p.name for p in data_cache_dir(tight).iterdir()) == made
+    assert "shard_00000.npz" in made
 
 
 def test_a_mask_id_outside_the_vocabulary_fails_before_the_data_stage(embedded, tmp_path):
