@@ -72,26 +72,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.state.engine = engine
     app.state.config = config
 
-    # -- errors ------------------------------------------------------------------------------
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(request.url.path, exc), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Unknown routes and wrong methods, in the caller's envelope too.
-        message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        err = ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}")
-        return JSONResponse(  # exc.headers: a 405's Allow
-            error_body(request.url.path, err), status_code=exc.status_code, headers=exc.headers
-        )
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.error("request failed", path=request.url.path, error=repr(exc))
-        err = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
-        return JSONResponse(error_body(request.url.path, err), status_code=500)
+    _answer_errors_in_dialect(app)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -129,29 +110,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> JSONResponse:
-        from dspark_flow.strategies.caches.prefix import active_memory_probe
-
-        probe = active_memory_probe()
-        body = {
-            "status": "ok" if engine.ready else ("error" if engine.load_error else "loading"),
-            "ready": engine.ready,
-            "model": config.model_id,
-            "target": config.target,
-            "mode": engine.drafter_kind,
-            "cache": engine.cache_stats(),
-            "queue": {
-                "busy": engine.busy,
-                "waiting": engine.waiting,
-                "served": engine.served,
-                "cancelled": engine.cancelled,
-                "failed": engine.failed,
-            },
-            "memory": {
-                "active_bytes": int(probe()) if probe else None,
-                "ceiling_bytes": engine.max_active_bytes,
-            },
-        }
-        return JSONResponse(body, status_code=200 if engine.ready else 503)
+        return JSONResponse(_health(engine, config), status_code=200 if engine.ready else 503)
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> JSONResponse:
@@ -213,6 +172,55 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"input_tokens": len(ids)})
 
     return app
+
+
+def _answer_errors_in_dialect(app: FastAPI) -> None:
+    """Every error, ours or the framework's, in the envelope of the API the caller speaks."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, exc), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods, in the caller's envelope too.
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        err = ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}")
+        return JSONResponse(  # exc.headers: a 405's Allow
+            error_body(request.url.path, err), status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed", path=request.url.path, error=repr(exc))
+        err = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+        return JSONResponse(error_body(request.url.path, err), status_code=500)
+
+
+def _health(engine: Engine, config: ServerConfig) -> dict[str, Any]:
+    """/health's body: readiness, what is served, the queue, the cache and memory."""
+    from dspark_flow.strategies.caches.prefix import active_memory_probe
+
+    probe = active_memory_probe()
+    return {
+        "status": "ok" if engine.ready else ("error" if engine.load_error else "loading"),
+        "ready": engine.ready,
+        "model": config.model_id,
+        "target": config.target,
+        "mode": engine.drafter_kind,
+        "cache": engine.cache_stats(),
+        "queue": {
+            "busy": engine.busy,
+            "waiting": engine.waiting,
+            "served": engine.served,
+            "cancelled": engine.cancelled,
+            "failed": engine.failed,
+        },
+        "memory": {
+            "active_bytes": int(probe()) if probe else None,
+            "ceiling_bytes": engine.max_active_bytes,
+        },
+    }
 
 
 def _model_card(model_id: str, created: int) -> dict[str, Any]:
