@@ -651,3 +651,14 @@ def test_the_api_names_what_is_wrong_with_messages_drafts_recipes_and_long_promp
         PromptError, match="the prompt has 20 tokens; this model's context holds 16"
     ):
         greedy_generate(short, tok, list(range(20)), max_new_tokens=2)
+
+
+def test_max_draft_and_a_set_of_the_cap_s_kind_are_refused_together(capsys):
+    # The error quoted a --set the user never typed: "--set draft_cap={kind: fixed, k: 4} ...".
+    args = ["run", QUICKSTART, "--prompt", "hi", "--max-draft", "4", "--set", "draft_cap.kind=auto"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "error: --max-draft 4 and --set draft_cap.kind=auto both choose the draft cap; keep one\n"
+    )

@@ -4,6 +4,7 @@ exactly, exports load, and bad training recipes fail at validation with one clea
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -422,6 +423,11 @@ def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
         checkpoints = work_dir(recipe) / "checkpoints"
         saved = sorted(checkpoints.glob("step_*"))
         assert saved
+        record = work_dir(recipe) / "train_summary.json"  # ours, of the wrong shape: rebuilt
+        for wrong in ('{"train": 5, "data": "x"}', '{"train": {"steps": "x"}}'):
+            record.write_text(wrong)  # were an AttributeError and a TypeError
+            run_training(recipe, stages=("train",), progress=False)
+            assert isinstance(json.loads(record.read_text())["train"]["steps"], int)
         with pytest.raises(DsparkFlowError, match="no drafter"):
             run_training(nowhere, stages=("train",), progress=False, fresh=True)
         assert sorted(checkpoints.glob("step_*")) == saved  # --fresh removed nothing
@@ -433,8 +439,13 @@ def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
         (saved[-1] / "trainer.json").write_text('{"step": 1, "history": 5}')  # was a TypeError
         with pytest.raises(DsparkFlowError, match="history is not a list"):
             run_training(recipe, stages=("train",), progress=False)
-        (saved[-1] / "trainer.json").write_text('{"step": 1}')
+        (saved[-1] / "trainer.json").unlink()  # was skipped, and its weights overwritten
         weights = saved[-1] / "model.safetensors"
+        intact = weights.read_bytes()
+        with pytest.raises(DsparkFlowError, match="is unreadable .*trainer.json"):
+            run_training(recipe, stages=("train",), progress=False)
+        assert weights.read_bytes() == intact
+        (saved[-1] / "trainer.json").write_text('{"step": 1}')
         weights.write_bytes(weights.read_bytes()[:100])
         with pytest.raises(DsparkFlowError, match="is unreadable"):
             run_training(recipe, stages=("export",), progress=False)
@@ -649,6 +660,10 @@ def test_export_never_replaces_a_directory_that_is_not_a_drafter(embedded, tmp_p
         trainer.export(out)
     assert (out / "notes.txt").read_text() == "mine"
     assert out.stat().st_mode & 0o005 == 0o005  # readable by others, not 0700 like mkdtemp
+    (out / "notes.txt").unlink()
+    (out / "config.json").write_text("{bad")  # it said the tool had not exported that file
+    with pytest.raises(DsparkFlowError, match="config.json is unreadable: remove the folder"):
+        trainer.export(out)
 
 
 def test_seq_len_inside_the_prompt_budget_fails_validation_at_seq_len():
@@ -864,3 +879,43 @@ def test_the_embedded_target_resolves_to_its_shipped_drafter():
         resolve_drafter("builtin:smollm2-135m", "dflash")["drafter"]
         == "builtin:smollm2-135m-dflash"
     )
+
+
+def test_a_file_where_the_checkpoints_go_is_named_before_any_work(tmp_path):
+    # It was a NotADirectoryError ("internal error") at the first checkpoint, after the data.
+    from dspark_flow.training.run import run_training
+    from dspark_flow.training.trainer import work_dir
+
+    recipe = TrainRecipe.model_validate(run_spec(tmp_path, "wd-file", steps=1, new_tokens=8))
+    where = work_dir(recipe)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text("mine")
+    try:
+        with pytest.raises(DsparkFlowError, match="is a file where this recipe keeps"):
+            run_training(recipe, stages=("data", "train"), progress=False)
+        assert where.read_text() == "mine" and not (tmp_path / "data").exists()
+    finally:
+        where.unlink()
+
+
+def test_a_paused_run_says_so_on_the_command_line(embedded, tmp_path, capsys):
+    # It exited 0 without a word, which reads as "trained".
+    import shutil
+
+    import yaml
+
+    from dspark_flow.cli.main import main
+    from dspark_flow.training.trainer import work_dir
+
+    spec = run_spec(tmp_path, "paused-cli", steps=3, new_tokens=8)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    try:
+        assert main(["train", str(path), "--time-limit", "1e-9", "--quiet"]) == 0
+        assert "paused" not in capsys.readouterr().err  # --quiet
+        assert main(["train", str(path), "--time-limit", "1e-9", "--stage", "train"]) == 0
+        assert "paused at step 2 of 3 (--time-limit); run the same command again" in (
+            capsys.readouterr().err
+        )
+    finally:
+        shutil.rmtree(work_dir(TrainRecipe.model_validate(spec)), ignore_errors=True)

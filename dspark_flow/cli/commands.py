@@ -43,8 +43,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         "--max-draft",
         default=None,
         metavar="auto|N",
-        help="draft cap shortcut: auto (learnt per round) or a fixed k",
+        help="draft cap shortcut: auto (learnt per round) or a fixed k (a --set draft_cap.X "
+        "adds to it)",
     )
+
+
+CAP_KIND_SETS = ("draft_cap=", "draft_cap.kind=")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -56,6 +60,12 @@ def _run(args: argparse.Namespace) -> int:
         cap = args.max_draft.strip().lower()
         if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
             raise DsparkFlowError(f"--max-draft {args.max_draft}: expected auto or a count >= 1")
+        clash = [o for o in args.overrides if o.replace(" ", "").startswith(CAP_KIND_SETS)]
+        if clash:  # its section would be validated as one the user never typed
+            raise DsparkFlowError(
+                f"--max-draft {args.max_draft} and --set {clash[0]} both choose the draft cap; "
+                "keep one"
+            )
         section = "{kind: auto}" if cap == "auto" else f"{{kind: fixed, k: {int(cap)}}}"
         args.overrides = [f"draft_cap={section}", *args.overrides]
     # From stdin, less the newline that ends `echo`'s and most files' last line: `echo X |`

@@ -82,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
         data_worker=args.data_worker,
         replace=args.replace,
     )
+    train = summary.get("train", {})
+    if train.get("paused") and not args.quiet:  # exit 0 with no word read as "trained"
+        print(
+            f"paused at step {train.get('steps')} of {recipe.train.steps} (--time-limit); run "
+            "the same command again to continue (export and eval wait until then)",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(summary, indent=2))
     elif not {"eval", "train", "data", "vocab", "exported_step"} & summary.keys():

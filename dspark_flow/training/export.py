@@ -40,6 +40,16 @@ def exported_by(out: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _unreadable_config(out: Path) -> bool:
+    try:
+        json.loads((out / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return False
+
+
 def refusal(out: Path, recipe_name: str, replace: bool = False) -> str | None:
     """Why the recipe `recipe_name` may not write its drafter into `out` (None: it may).
 
@@ -57,6 +67,8 @@ def refusal(out: Path, recipe_name: str, replace: bool = False) -> str | None:
         return None
     owner = exported_by(out)
     foreign = [name for name in names if name not in DRAFTER_FILES]
+    if owner is None and not foreign and _unreadable_config(out):  # whose it was is unknown
+        return "holds a drafter whose config.json is unreadable: remove the folder to export there"
     if owner is None or foreign:
         return f"holds files this tool did not export ({', '.join((foreign or names)[:3])})"
     if owner != recipe_name and not replace:

@@ -81,7 +81,7 @@ def run_training(
     `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops.
     `replace` lets export replace a drafter another recipe exported in `output`."""
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import data_cache_dir, load_samples, read_json_object
+    from dspark_flow.training.data import data_cache_dir, load_samples
     from dspark_flow.training.recipe import check_output
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
     from dspark_flow.training.warm_start import require_init_from
@@ -90,6 +90,11 @@ def run_training(
     worker = check_call(recipe, stages, data_worker)
     if {"train", "export", "vocab"} & set(stages):  # before hours of work, not after
         check_output(recipe, "recipe " + recipe.name, replace)
+        for folder in (work_dir(recipe), work_dir(recipe) / "checkpoints"):
+            if folder.exists() and not folder.is_dir():
+                raise DsparkFlowError(
+                    f"{folder} is a file where this recipe keeps its checkpoints: move it"
+                )
     summary: dict[str, Any] = {"recipe": recipe.name, "device": device_name(), "command": command}
     target, tok = load(
         recipe.target.model, training_weight_format(recipe.target.weights), recipe.target.revision
@@ -107,10 +112,8 @@ def run_training(
     # Evaluating a drafter trained elsewhere: its own summary is the record. An export writes
     # this recipe's checkpoints, whose record is the work dir's.
     producing = "data" in stages or "train" in stages
-    shipped = read_json_object(out / SUMMARY)
-    previous = (
-        (read_json_object(running) or shipped) if producing or "export" in stages else shipped
-    )
+    shipped = _read_record(out / SUMMARY)
+    previous = (_read_record(running) or shipped) if producing or "export" in stages else shipped
     samples: list[Any] | None = None
     if producing:
         samples = _data_stage(recipe, target, tok, stages, worker, progress, summary, previous)
@@ -328,6 +331,24 @@ def _eval_stage(
             print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
 
 
+def _read_record(path: Path) -> dict[str, Any]:
+    """A summary this tool wrote; {} (rebuilt by this call) when it is missing, torn, or holds
+    sections of the wrong shape (it is a record, not an input: never a reason to fail)."""
+    from dspark_flow.training.data import read_json_object
+
+    record = read_json_object(path)
+    sections_ok = all(isinstance(record.get(k, {}), dict) for k in ("data", "train", "vocab"))
+    train = record.get("train", {}) if sections_ok else {}
+    numbers_ok = all(
+        isinstance(train.get(k, 0), int | float) and not isinstance(train.get(k, 0), bool)
+        for k in ("steps", "seconds", "calls")
+    )
+    if sections_ok and numbers_ok:
+        return record
+    log.warning("summary of the wrong shape: rebuilt", path=str(path))
+    return {}
+
+
 def _record_call(
     recipe: TrainRecipe,
     stages: tuple[str, ...],
@@ -337,7 +358,6 @@ def _record_call(
 ) -> dict[str, Any]:
     """Write this call's record into the work dir's summary and, where it exported or evaluated
     the drafter there, the output's; returns the merged summary."""
-    from dspark_flow.training.data import read_json_object
     from dspark_flow.training.export import exported_by
     from dspark_flow.training.trainer import work_dir
 
@@ -345,7 +365,7 @@ def _record_call(
     running = work_dir(recipe) / SUMMARY
     # A call that trains nothing (vocab, export, eval) adds to each record its own: the work
     # dir's (a run perhaps still in progress) and the output's (the drafter shipped there).
-    own_running = {} if producing else read_json_object(running)
+    own_running = {} if producing else _read_record(running)
     evaluated = "eval" in summary  # by this call (an eval stage without prompts evaluates nothing)
     running_record = {**(own_running or previous), **summary}
     summary = {**previous, **summary}

@@ -506,7 +506,9 @@ class DrafterTrainer:
         return final
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(p for p in self.checkpoints.glob("step_*") if (p / STATE).is_file())
+        # One without its state is damaged (saves are atomic): reading it names it, where
+        # skipping it let the next save overwrite the step's intact weights without a word.
+        found = sorted(p for p in self.checkpoints.glob("step_*") if p.is_dir())
         return found[-1] if found else None
 
     def resume(self) -> bool:
