@@ -45,7 +45,7 @@ class TextStream:
         time. A speculative round commits several at once, and tokens past the stop would
         make its token ids differ from plain decoding's (its text, cut at the stop, did not)."""
         stable, cut = self._find_stop(token_ids)
-        if self.rewrites_text and cut is None:
+        if self.rewrites_text and self.text_stops and cut is None:
             # Each prefix the round skipped, as plain decoding saw them one token at a time.
             for m in range(self.seen + 1, len(token_ids)):
                 stable_m, cut_m = self._find_stop(token_ids[:m])
