@@ -130,10 +130,11 @@ _EXTRA_CHECKS: dict[str, Callable[[Any], bool]] = {
 def _well_typed(v: Verdict) -> bool:
     """A cached verdict is trusted only with the types a probe writes: "false" (a string) would
     read as true, a corrupt "enabled" must not switch a kernel on, and a span of "abc" must not
-    fail every later run."""
+    fail every later run. No probe enables a kernel it found wrong: such an entry is damage."""
     timings = (v.kernel_ms, v.twin_ms, v.max_rel_err)
     return (
         isinstance(v.enabled, bool)
+        and (v.correct is True or v.enabled is False)
         and isinstance(v.correct, bool)
         and isinstance(v.reason, str)
         and isinstance(v.extra, dict)
@@ -156,7 +157,7 @@ class VerdictCache:
     def _read(self) -> dict[str, dict[str, Any]]:
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # unreadable, not JSON, nested too deep
             return {}
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
             return {}  # another layout: ignore it (it is replaced on the next write)

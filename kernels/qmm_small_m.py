@@ -23,6 +23,7 @@ The Metal kernel has never run: it is written to the same design but untested (d
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from functools import cache
 from typing import Any
@@ -165,11 +166,6 @@ _METAL_SOURCE = r"""
     }
   }
 """
-
-# Part of every probe key: editing a kernel invalidates its cached verdicts.
-KERNEL_VERSION = hashlib.sha256((_CUDA_HEADER + _CUDA_SOURCE + _METAL_SOURCE).encode()).hexdigest()[
-    :12
-]
 
 _kernels: dict[str, Any] = {}
 
@@ -385,3 +381,19 @@ def qmm_small_m_emulated(
     b = 0.0 if biases is None else mx.repeat(biases.astype(mx.float32), group_size, axis=1)
     y = x.astype(mx.float32) @ (q * s + b).T
     return y.astype(output_dtype(x.dtype, scales.dtype))
+
+
+# Part of every probe key: editing the kernel, its launch or its launch constants invalidates
+# the cached verdicts.
+KERNEL_VERSION = hashlib.sha256(
+    (
+        _CUDA_HEADER
+        + _CUDA_SOURCE
+        + _METAL_SOURCE
+        + inspect.getsource(rows_bucket)
+        + inspect.getsource(lanes_per_column)
+        + inspect.getsource(_kernel)
+        + inspect.getsource(_launch)
+        + repr(_BLOCK)
+    ).encode()
+).hexdigest()[:12]

@@ -31,6 +31,7 @@ every dtype, so the dispatcher declines there (docs/kernels.md).
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import Any
 
 import mlx.core as mx
@@ -137,9 +138,6 @@ _CUDA_SOURCE = r"""
     for (int e = 0; e < DPL; ++e) op[lane + 32 * e] = df_from_f<T>(acc[e] / total);
   }
 """
-
-# Part of every probe key: editing the kernel invalidates its cached verdicts.
-KERNEL_VERSION = hashlib.sha256((_CUDA_HEADER + _CUDA_SOURCE).encode()).hexdigest()[:12]
 
 _kernel_cache: dict[str, Any] = {}
 _scales: dict[float, mx.array] = {}  # one small array per softmax scale, not one per call
@@ -313,3 +311,16 @@ def attention_inputs(
         return q, k, v, head_dim**-0.5, "causal"
 
     return make
+
+
+# Part of every probe key: editing the kernel, its launch or its launch constants invalidates
+# the cached verdicts.
+KERNEL_VERSION = hashlib.sha256(
+    (
+        _CUDA_HEADER
+        + _CUDA_SOURCE
+        + inspect.getsource(_kernel)
+        + inspect.getsource(_launch)
+        + repr((_WARPS, _KEYS_PER_STEP))
+    ).encode()
+).hexdigest()[:12]

@@ -139,6 +139,40 @@ def test_the_key_ignores_what_changes_between_runs_of_one_device(tiny, monkeypat
     assert keys[2] != keys[0]
 
 
+def test_the_key_holds_the_sampler_kind_and_the_threads_blas_may_use(tiny, monkeypatch):
+    """A drawing sampler makes the drafter compute distributions (top-p also sorts them), and
+    the CPU's verify cost scales with BLAS's threads: curves of one must not serve the other.
+    A seed or a temperature changes no cost."""
+    from dspark_flow.calibration.obtain import sampler_identity
+    from dspark_flow.calibration.store import make_key
+    from dspark_flow.strategies.samplers.greedy import GreedySampler
+    from dspark_flow.strategies.samplers.sample import SampleConfig, SpeculativeSampler
+
+    def sample(**kw):  # noqa: ANN003, ANN202
+        return sampler_identity(SpeculativeSampler(SampleConfig(**kw)))
+
+    assert sampler_identity(GreedySampler()) == "greedy" == sample(temperature=0.0)
+    assert sample(temperature=0.7, seed=1) == sample(temperature=1.0, seed=2) != "greedy"
+    assert sample(top_p=0.9) != sample()
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    unset = make_key(tiny, lookup())
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert make_key(tiny, lookup())["machine"] != unset["machine"]
+
+
+def test_a_cache_file_too_deep_or_with_infinite_depths_is_replaced(tiny, tmp_path, counted):
+    store = CurveStore(tmp_path)
+    _, path, _ = obtain_curves(tiny, lookup(), store=store, **FAST)
+    good = json.loads(path.read_text())
+    for content in (
+        "[" * 100_000 + "]" * 100_000,  # json.loads raises RecursionError
+        json.dumps({**good, "curves": {**good["curves"], "depths": [float("inf"), 24]}}),
+    ):
+        path.write_text(content)
+        _, _, measured = obtain_curves(tiny, lookup(), store=store, **FAST)
+        assert measured
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -494,6 +528,31 @@ def test_auto_never_drafts_where_it_cannot_pay():
     # Verify costs K times one token (4-bit on the MLX CPU): no k beats plain decoding.
     cap = AutoCap(AutoCapConfig(probe_every=1000), curves=synthetic(lambda K: K))
     assert [cap.choose(16) for _ in range(20)] == [0] * 20
+
+
+def test_a_reference_verifier_that_reroutes_its_forward_is_timed_as_itself(monkeypatch):
+    """The curves time the plain forward only for a verifier that is the plain forward: one
+    whose attention runs through matmuls (`auto` on CUDA) or whose layers are compiled costs
+    what it costs, and is keyed apart."""
+    from dspark_flow.calibration.controller import config_identity
+    from dspark_flow.models import attention
+    from dspark_flow.strategies.verifiers.reference import ReferenceConfig
+
+    monkeypatch.setattr(attention, "backend_name", lambda: "cpu")
+    assert config_identity(None) == config_identity(ReferenceConfig()) == "reference"
+    assert config_identity(ReferenceConfig(attention="matmul")) != "reference"
+    assert config_identity(ReferenceConfig(compile_layers=True)) != "reference"
+    monkeypatch.setattr(attention, "backend_name", lambda: "cuda")
+    assert config_identity(ReferenceConfig()) != "reference"
+    assert config_identity(ReferenceConfig(attention="fused")) == "reference"
+
+
+def test_calibrated_drafts_nothing_where_every_k_loses_and_drafts_where_one_pays():
+    # The formula over k = 0..block: plain decoding (k = 0) wins when each row costs a step.
+    losing = CalibratedCap(CalibratedCapConfig(acceptance=0.1), curves=synthetic(lambda K: K))
+    assert losing.choose(16) == 0
+    flat = CalibratedCap(CalibratedCapConfig(acceptance=0.8), curves=synthetic(lambda K: 1.0))
+    assert flat.choose(16) >= 4
 
 
 def test_auto_probes_cost_what_they_are_expected_to_lose():

@@ -296,6 +296,16 @@ def test_probe_cache_is_keyed_and_invalidated(monkeypatch, kernel_cache):
     assert v.reason.startswith("not faster by 150%")
     v, measured = run(min_gain=0.5)
     assert not measured and v.enabled
+    # No probe enables a kernel it found wrong: an entry saying so (or not saying it was right)
+    # is damage, probed again rather than trusted.
+    for damage in ({"correct": False}, {"correct": None}):
+        data = json.loads(path.read_text())
+        data["entries"] = {k: {**e, **damage} for k, e in data["entries"].items()}
+        path.write_text(json.dumps(data))
+        v, measured = run()
+        assert measured and v.enabled and v.correct
+    path.write_text("[" * 100_000 + "]" * 100_000)  # too deep for json: RecursionError
+    assert run()[1]
 
 
 @cpu_only
@@ -309,6 +319,40 @@ def test_probe_declines_slow_and_failing_kernels(monkeypatch):
 
     v = probe.probe_qmm(2, 192, 576, 4, 32, mx.float32, mx.float32, kernel=broken)
     assert not v.enabled and "Failed to compile" in v.reason
+
+
+def test_an_enabled_coprefill_verdict_without_its_share_is_probed_again(monkeypatch, kernel_cache):
+    """The verifier reads the share of every enabled verdict: one without it (damage) must be
+    re-probed, not fail every later warm-up. The probe itself runs here with a fake timer (the
+    CPU has no second stream to split with: the split is the twin's own matmul here)."""
+    timed = []
+
+    def timer(kernel, twin, inputs, **_):
+        timed.append(1)
+        kernel(*inputs), twin(*inputs)
+        return 1.0, 2.0
+
+    def split(x, w, s, b, group_size, bits, share):  # noqa: ANN001, ANN202  (no GPU stream here)
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(coprefill, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(coprefill, "time_pair", timer)
+    monkeypatch.setattr(coprefill, "coprefill_qmm", split)
+
+    def run():  # noqa: ANN202
+        before = len(timed)
+        v = coprefill.probe_coprefill(64, 192, 576, 4, 32, mx.float32, mx.float32)
+        return v, len(timed) > before
+
+    v, measured = run()
+    assert measured and v.enabled and v.correct and v.extra["share"] in coprefill.SHARES
+    assert not run()[1]
+    path = kernel_cache / probe.CACHE_FILE
+    data = json.loads(path.read_text())
+    data["entries"] = {k: {**e, "extra": {}} for k, e in data["entries"].items()}
+    path.write_text(json.dumps(data))
+    v, measured = run()
+    assert measured and v.enabled and "share" in v.extra
 
 
 def test_kernel_cache_location(monkeypatch, tmp_path):

@@ -481,6 +481,15 @@ def test_corrupt_model_files(model_dir, tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_a_marker_of_the_wrong_shape_means_an_incomplete_entry(model_dir, tmp_path):
+    copy = tmp_path / "entry"
+    shutil.copytree(model_dir, copy)
+    assert embedded._is_complete(copy, SPEC)
+    for content in ("[1, 2]", '"text"', "[" * 100_000):
+        (copy / embedded.MARKER).write_text(content)
+        assert not embedded._is_complete(copy, SPEC)  # rebuilt, not a traceback on every load
+
+
 def test_load_errors_keep_both_ends_of_a_long_message():
     from dspark_flow.models.loading import _brief
 

@@ -526,7 +526,7 @@ class CurveCap(DraftCap):
             log.warning("draft cap used before warm_up(); drafting a fixed k", k=FALLBACK_K)
             return min(FALLBACK_K, limit)
         if not self.adaptive or limit == 0:
-            return plan.k
+            return plan.k if plan.gain >= 1.0 else 0  # no k is expected to pay: plain decoding
         cfg = self.config
         min_gain = getattr(cfg, "min_gain", 1.0)
         state.off_key = None
@@ -702,9 +702,15 @@ def verifier_identity(verifier: Any) -> str:
 
 
 def config_identity(config: Any) -> str:
-    """`verifier_identity` from a verifier's config (None: the plain forward)."""
+    """`verifier_identity` from a verifier's config (None: the plain forward). A reference
+    verifier is the plain forward only when nothing reroutes it: compiled layers, or attention
+    through matmuls (`attention: auto` on CUDA), cost what they cost and are timed as such."""
+    from dspark_flow.models.attention import matmul_chosen
+
     if config is None or (
-        config.kind == "reference" and not getattr(config, "compile_layers", False)
+        config.kind == "reference"
+        and not getattr(config, "compile_layers", False)
+        and not matmul_chosen(getattr(config, "attention", "fused"))
     ):
         return "reference"
     settings = config.model_dump(mode="json", exclude={"reprobe"})  # re-probing costs nothing

@@ -43,6 +43,10 @@ def obtain_curves(
     now)."""
     store = store or CurveStore()
     block = block or drafter_block(drafter)
+    if sampler is None:  # drafters ask it whether to draw or take the argmax: greedy is cheapest
+        from dspark_flow.strategies.samplers.greedy import GreedySampler
+
+        sampler = GreedySampler()
     settings = {
         "block": block,
         "depths": sorted({int(d) for d in depths}),
@@ -50,14 +54,11 @@ def obtain_curves(
         "warmup": warmup,
         "verifier": verifier_kind,
         "verify_lengths": "fresh-centred" if curves_mod.verify_at_fresh_lengths() else "repeated",
+        "sampler": sampler_identity(sampler),
     }
     key = make_key(
         model, drafter, target_ref=target_ref, target_revision=target_revision, settings=settings
     )
-    if sampler is None:  # drafters ask it whether to draw or take the argmax: greedy is cheapest
-        from dspark_flow.strategies.samplers.greedy import GreedySampler
-
-        sampler = GreedySampler()
 
     def run() -> Curves:
         log.info("calibrating draft costs", block=block, depths=settings["depths"])
@@ -75,3 +76,14 @@ def obtain_curves(
 
     found, measured, path = store.get(key, run, force=force)
     return found, path, measured
+
+
+def sampler_identity(sampler: Any) -> Any:
+    """What of the sampler changes a drafter's cost: drawing (and truncating: top-p sorts the
+    vocabulary) against taking the argmax. The seed changes no cost."""
+    if sampler.greedy:
+        return "greedy"
+    config = getattr(sampler, "config", None)
+    if config is None:
+        return type(sampler).__name__
+    return config.model_dump(mode="json", exclude={"seed", "temperature"})

@@ -157,6 +157,9 @@ def drafter_identity(drafter: Any) -> dict[str, Any]:
 VOLATILE_DEVICE_FIELDS = frozenset({"free_memory", "uuid", "pci_bus_id"})
 
 
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
 def machine_identity() -> dict[str, Any]:
     import mlx.core as mx
 
@@ -173,6 +176,9 @@ def machine_identity() -> dict[str, Any]:
         "device": _jsonable(device),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        # what the CPU's verify curves scale with: the cores this process may use, and BLAS's
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads": {k: os.environ.get(k) for k in THREAD_VARIABLES if os.environ.get(k)},
         "blas": blas.get("openblas") if blas.get("active") else None,
     }
 
@@ -228,7 +234,7 @@ class CurveStore:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
             log.warning("calibration cache unreadable, re-measuring", path=str(path), error=str(e))
             return None
         try:
@@ -240,7 +246,8 @@ class CurveStore:
             curves = Curves.from_dict(data["curves"])
             _check_covers(curves, key.get("settings") or {})
             return curves
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError, ArithmeticError) as e:
+            # ArithmeticError: int(Infinity) and the like
             log.warning("calibration cache malformed, re-measuring", path=str(path), error=str(e))
             return None
 

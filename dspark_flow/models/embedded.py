@@ -71,10 +71,11 @@ def _spec(name: str) -> dict[str, Any]:
 def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
     try:
         marker = json.loads((target / MARKER).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return (
-        marker.get("member_sha256") == spec["member_sha256"]
+        isinstance(marker, dict)
+        and marker.get("member_sha256") == spec["member_sha256"]
         and marker.get("converter") == CONVERTER_VERSION
         and (target / "config.json").is_file()
         and (target / "model.safetensors").is_file()
