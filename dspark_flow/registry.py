@@ -12,6 +12,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import Literal
 
 from dspark_flow.env import env_flag
 from dspark_flow.errors import RegistryError
@@ -134,7 +135,7 @@ def unknown_kind_message(slot: str, kind: str) -> str:
     names = kind_names(slot)
     close = difflib.get_close_matches(kind, names, n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"unknown {slot} '{kind}'{hint} installed: {describe_installed(slot)}"
+    return f"unknown {slot} '{kind}'{hint} (installed: {describe_installed(slot)})"
 
 
 def lookup(slot: str, kind: str) -> KindInfo:
@@ -187,6 +188,14 @@ def load_claim(info: KindInfo) -> type[Strategy]:
         raise RegistryError(
             f"{slot} '{kind}' from {info.source}: {info.target}.Config is not a "
             "StrategyConfig (the pydantic model of its recipe section)"
+        )
+    kind_field = config.model_fields.get("kind")
+    if kind_field is None or kind_field.annotation != Literal[kind]:
+        # A section names its kind: the recipe's schema tells kinds apart by this Literal, and
+        # any other would fail a correct recipe ("Input should be 'other'") or the schema.
+        raise RegistryError(
+            f"{slot} '{kind}' from {info.source}: {info.target}.Config must declare "
+            f"kind: Literal[{kind!r}] (the name it is registered under)"
         )
     return obj
 

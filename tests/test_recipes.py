@@ -66,9 +66,6 @@ def test_every_problem_reported_at_once_with_positions():
         "  - {kind: strings, strings: [x], colour: red}\n"
         "extra_top: 1\n"
     )
-    found = problems(text)
-    # The outer shape fails first (unknown top-level field), with its position.
-    assert found == ["r.yaml:8:1 extra_top: unknown field"]
     found = problems(text.replace("extra_top: 1\n", ""))
     assert found[0].startswith(
         "r.yaml:3:9 drafter.kind: unknown drafter 'lookpu'; did you mean 'lookup'?"
@@ -79,11 +76,20 @@ def test_every_problem_reported_at_once_with_positions():
     assert found[2].startswith("r.yaml:6:31 stop.0.limit: Input should be a valid integer")
     assert found[3] == "r.yaml:7:35 stop.1.colour: unknown field"
     assert len(found) == 4
+    # A fault in the outer shape does not hide the slot sections' own problems.
+    found = problems(text.replace("  - {kind: max_tokens, limit: many}", "  - 5"))
+    assert "r.yaml:8:1 extra_top: unknown field" in found
+    assert any(p.startswith("r.yaml:6:5 stop.0: Input should be a valid dictionary") for p in found)
+    assert any(p.startswith("r.yaml:3:9 drafter.kind: unknown drafter 'lookpu'") for p in found)
+    assert any(p.startswith("r.yaml:4:38 sampler.temperature:") for p in found)
+    assert "r.yaml:7:35 stop.1.colour: unknown field" in found
+    assert len(found) == 5
 
 
 def test_unknown_slot_and_missing_kind():
     found = problems("verifierz: {kind: reference}\ncache: {}\n")
-    assert found == ["r.yaml:1:1 verifierz: unknown field"]
+    assert found[0] == "r.yaml:1:1 verifierz: unknown field"
+    assert found[1].startswith("r.yaml:2:8 cache.kind: missing 'kind'")
     found = problems("cache: {}\n")
     assert found[0].startswith("r.yaml:1:8 cache.kind: missing 'kind'")
 
@@ -96,6 +102,26 @@ def test_wrong_type_of_section():
 def test_malformed_yaml_is_one_line():
     found = problems("drafter: {kind: lookup\nsampler: x\n")
     assert len(found) == 1 and "malformed YAML" in found[0] and found[0].startswith("r.yaml:")
+
+
+def test_yaml_aliases_are_walked_once():
+    """`a: &x [*x]` is a list holding itself, and aliases of aliases expand exponentially:
+    neither may hang or overflow the checks (a 450-byte file of eight levels used to)."""
+    assert problems("a: &x [*x]\n") == ["r.yaml:1:1 a: unknown field"]
+    lines = ["x0: &a0 [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"]
+    lines += [f"x{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 10)}]" for n in range(1, 9)]
+    assert len(problems("\n".join(lines))) == 9
+    assert problems("stop: &s [{kind: eos}, *s]\n") == [
+        "r.yaml:1:7 stop.1: Input should be a valid dictionary"
+    ]
+
+
+def test_text_that_is_not_utf8_and_an_empty_model_name_fail_validation():
+    found = problems('prompt: {system: "\\ud800"}\ntarget: {model: ""}\n')
+    assert any("system: not valid UTF-8 text (a lone surrogate at character 1)" in p for p in found)
+    assert any("target.model: String should have at least 1 character" in p for p in found)
+    found = problems('stop: [{kind: strings, strings: [ok, "\\udc80"]}]\n')
+    assert found and "strings[1]: not valid UTF-8 text" in found[0]
 
 
 def test_duplicate_keys_are_errors():

@@ -206,6 +206,18 @@ class NeedsTorch(Drafter):
     def warm_up(self, ctx):
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
+class LooseConfig(StrategyConfig):  # any kind: what would its sections validate as?
+    pass
+
+class Loose(Drafter):
+    Config = LooseConfig
+
+class OtherConfig(StrategyConfig):
+    kind: Literal["other"] = "other"
+
+class Mislabelled(Drafter):
+    Config = OtherConfig
+
 class BadDefaultConfig(StrategyConfig):
     kind: Literal["acme_default"] = "acme_default"
     width: int = Field(0, ge=1)  # its own default breaks its own constraint
@@ -218,7 +230,8 @@ FAULTY_KINDS = {
     f"drafter.{kind}": f"acme_faulty:{cls}"
     for kind, cls in [("acme_plain", "Plain"), ("acme_init", "FailsInInit"),
                       ("acme_warm", "FailsInWarmUp"), ("acme_default", "BadDefault"),
-                      ("acme_missing", "NeedsTorch")]
+                      ("acme_missing", "NeedsTorch"), ("acme_loose", "Loose"),
+                      ("acme_label", "Mislabelled")]
 }  # fmt: skip
 
 
@@ -227,6 +240,17 @@ def test_a_plugin_whose_config_is_not_pydantic_is_refused_by_name(fake_plugin):
     with pytest.raises(RegistryError) as err:
         registry.load_kind("drafter", "acme_plain")
     assert "acme-faulty 0.2.0" in str(err.value) and "is not a StrategyConfig" in str(err.value)
+
+
+def test_a_plugin_whose_config_does_not_name_its_kind_is_refused_by_name(fake_plugin):
+    """A section's `kind: Literal[...]` is what tells kinds apart in a recipe and its schema:
+    a plain `kind: str` would break `dspark-flow schema`, another kind's name a correct recipe."""
+    fake_plugin("acme-faulty", "0.2.0", FAULTY_KINDS, FAULTY)
+    for kind in ("acme_loose", "acme_label"):
+        with pytest.raises(RegistryError) as err:
+            registry.load_kind("drafter", kind)
+        assert "acme-faulty 0.2.0" in str(err.value)
+        assert f"must declare kind: Literal['{kind}']" in str(err.value)
 
 
 def test_a_plugin_failing_in_init_or_warm_up_is_named(fake_plugin, embedded):

@@ -105,8 +105,9 @@ def _internal_error(exc: Exception) -> int:
     """An internal bug: still one line unless asked for more."""
     if env_flag("DSPARK_FLOW_DEBUG"):
         traceback.print_exc()
+    first = (str(exc).strip().splitlines() or [""])[0]  # e.g. pydantic's span several lines
     print(
-        f"internal error: {type(exc).__name__}: {exc} (set DSPARK_FLOW_DEBUG=1 for a traceback)",
+        f"internal error: {type(exc).__name__}: {first} (set DSPARK_FLOW_DEBUG=1 for a traceback)",
         file=sys.stderr,
     )
     return 1

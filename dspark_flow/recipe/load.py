@@ -20,6 +20,7 @@ from dspark_flow.errors import RecipeError, RegistryError
 from dspark_flow.recipe.schema import SLOT_DEFAULTS, Recipe, RecipeShape
 
 Loc = tuple[str | int, ...]
+MAPPING_SLOTS = ("drafter", "verifier", "sampler", "draft_cap", "cache")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -70,8 +71,16 @@ def _child(node: yaml.Node | None, part: str | int, at_key: bool = False) -> yam
     return None
 
 
-def _duplicate_keys(node: yaml.Node | None, loc: Loc = ()) -> list[tuple[Loc, str]]:
-    """PyYAML keeps the last of two equal keys silently; a recipe should not."""
+def _duplicate_keys(
+    node: yaml.Node | None, loc: Loc = (), visited: set[int] | None = None
+) -> list[tuple[Loc, str]]:
+    """PyYAML keeps the last of two equal keys silently; a recipe should not. Each node is
+    walked once: an alias (`*x`) reuses its anchor's node, and walking it again per use would
+    loop on `a: &x [*x]` or grow exponentially with aliases of aliases."""
+    visited = set() if visited is None else visited
+    if id(node) in visited:
+        return []
+    visited.add(id(node))
     found: list[tuple[Loc, str]] = []
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
@@ -79,10 +88,10 @@ def _duplicate_keys(node: yaml.Node | None, loc: Loc = ()) -> list[tuple[Loc, st
             if key.value in seen:
                 found.append(((*loc, key.value), "duplicate key"))
             seen.add(key.value)
-            found.extend(_duplicate_keys(value, (*loc, key.value)))
+            found.extend(_duplicate_keys(value, (*loc, key.value), visited))
     elif isinstance(node, yaml.SequenceNode):
         for i, value in enumerate(node.value):
-            found.extend(_duplicate_keys(value, (*loc, i)))
+            found.extend(_duplicate_keys(value, (*loc, i), visited))
     return found
 
 
@@ -242,10 +251,22 @@ def validate(
     try:
         shape = RecipeShape.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(problems + _pydantic_problems(exc, where, ())) from None
+        # Every problem at once: the slot sections the outer shape did not fault are still
+        # checked against their kinds' configs.
+        problems += _pydantic_problems(exc, where, ())
+        faulted = {tuple(err["loc"][:2]) for err in exc.errors()}
+        faulted |= {loc[:1] for loc in faulted}
+        for slot in MAPPING_SLOTS:
+            if slot in data and (slot,) not in faulted:
+                _validate_slot(slot, data[slot], (slot,), where, problems)
+        if isinstance(data.get("stop"), list):
+            for i, s in enumerate(data["stop"]):
+                if ("stop", i) not in faulted and isinstance(s, dict):
+                    _validate_slot("stop", s, ("stop", i), where, problems)
+        raise RecipeError(problems) from None
 
     sections: dict[str, Any] = {}
-    for slot in ("drafter", "verifier", "sampler", "draft_cap", "cache"):
+    for slot in MAPPING_SLOTS:
         sections[slot] = _validate_slot(slot, getattr(shape, slot), (slot,), where, problems)
     sections["stop"] = [
         _validate_slot("stop", s, ("stop", i), where, problems) for i, s in enumerate(shape.stop)

@@ -47,7 +47,9 @@ TOOL_DEFAULTS: dict[str, Any] = {
 
 
 class TargetSpec(Section):
-    model: str = Field(DEFAULT_MODEL, description="builtin:<name>, a hub repo id or a local dir")
+    model: str = Field(
+        DEFAULT_MODEL, min_length=1, description="builtin:<name>, a hub repo id or a local dir"
+    )
     revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
     weights: WeightFormat = Field(
         "auto",

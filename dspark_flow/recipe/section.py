@@ -24,6 +24,21 @@ def _number_items(annotation: Any) -> bool:
     return False
 
 
+def _check_utf8(name: str, value: Any) -> None:
+    """Text that cannot be UTF-8 (a lone surrogate from a JSON or YAML escape) would fail far
+    from the recipe (the tokenizer's TypeError) or never match (a stop string)."""
+    for i, text in enumerate(value if isinstance(value, list) else [value]):
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            at = f"[{i}]" if isinstance(value, list) else ""
+            raise ValueError(
+                f"{name}{at}: not valid UTF-8 text (a lone surrogate at character {e.start + 1})"
+            ) from None
+
+
 class Section(BaseModel):
     # Unknown keys are typos; .inf and .nan are YAML floats that no setting wants.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=True)
@@ -41,6 +56,7 @@ class Section(BaseModel):
                 field = cls.model_fields.get(name) if isinstance(name, str) else None
                 if name in cls.BOOLEAN_WORDS or field is None:
                     continue
+                _check_utf8(name, value)
                 if isinstance(value, bool) and _numbers_only(field.annotation):
                     raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
                 if isinstance(value, (list, tuple)) and _number_items(field.annotation):
