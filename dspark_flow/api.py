@@ -319,12 +319,16 @@ def load_pair(
     drafter settings (`draft_vocab=8192`, `prompt_lookup=True`, ... as in a recipe) as in
     `load_drafter`."""
     from dspark_flow.models.drafter_loading import resolve_drafter
+    from dspark_flow.strategies.drafters.block_drafter import BlockDrafter
 
     target_ref = _model_ref(target, "load_pair: target") or DEFAULT_MODEL
     drafter = _model_ref(drafter, "load_pair: drafter")
     if drafter is None:  # before any download: an unknown target fails fast
         entry = resolve_drafter(target_ref, kind)
         drafter, kind = str(entry["drafter"]), str(entry["kind"])
+    if kind is not None and issubclass(_drafter_class(kind), BlockDrafter):
+        # a typo in a drafter setting fails before the target is downloaded and loaded
+        build_strategy("drafter", {"kind": kind, "quantize": quantize, **drafter_options})
     model, tokenizer = load_target(target_ref, revision, weights)
     loaded = load_drafter(
         drafter, model, kind=kind, revision=drafter_revision, quantize=quantize, **drafter_options

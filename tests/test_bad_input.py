@@ -595,6 +595,37 @@ def test_a_drafter_config_with_a_malformed_value_is_a_model_error(tmp_path):
     (bad / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelError, match="is not a JSON object"):
         read_spec(bad)
+    # Sizes the layers are built from: 0 heads divided by zero inside MLX, 1e999 overflowed.
+    for key, value in (("num_attention_heads", 0), ("intermediate_size", -5)):
+        (bad / "config.json").write_text(json.dumps({**config, "block_size": 7, key: value}))
+        with pytest.raises(ModelError, match=f"{key} is {value}, not positive"):
+            read_spec(bad)
+    (bad / "config.json").write_text(
+        json.dumps({**config, "block_size": 7}).replace(
+            '"hidden_size": 576', '"hidden_size": 1e999'
+        )
+    )
+    with pytest.raises(ModelError, match="a malformed value"):
+        read_spec(bad)
+
+
+def test_a_drafter_whose_weights_are_a_git_lfs_pointer_is_named_not_out_of_memory(tmp_path):
+    """A clone without git-lfs leaves pointers: the header's first 8 bytes then read as a size
+    of ~2e18 bytes, and reading that many was a MemoryError ("out of memory" on the CLI)."""
+    import shutil
+
+    from dspark_flow.models.drafter_loading import read_spec
+
+    shipped = Path(__file__).parents[1] / "dspark_flow/data/drafters/smollm2-135m-dspark"
+    bad = tmp_path / "lfs"
+    bad.mkdir()
+    shutil.copy(shipped / "config.json", bad / "config.json")
+    (bad / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 31457280\n"
+    )
+    with pytest.raises(ModelError, match="not a safetensors file .*Git LFS pointer") as info:
+        read_spec(bad)
+    assert "\n" not in str(info.value)
 
 
 def test_the_api_names_what_is_wrong_with_messages_drafts_recipes_and_long_prompts(embedded):

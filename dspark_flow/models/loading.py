@@ -36,6 +36,8 @@ HUB_PATTERNS = [
     "*.py",
     "tokenizer.model",
     "*.tiktoken",
+    "tiktoken.model",  # what mlx-lm's tokenizer loader also reads
+    "*.jsonl",
     "*.txt",
     "*.jinja",
     "draft_vocab.npy",  # a trained drafter's draft vocabulary (models/draft_vocab.py)
@@ -126,6 +128,11 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
         )
     except Exception as e:  # hub errors come from requests/httpx/hf_hub: all mean "can't get it"
         kind = type(e).__name__
+        if kind == "HFValidationError":  # not a repo id: most often a mistyped local path
+            raise ModelError(
+                f"{repo_id!r} is neither a local directory nor a valid hub repo id "
+                f"({_brief(e, 160)})"
+            ) from e
         if kind in ("RepositoryNotFoundError", "RevisionNotFoundError", "GatedRepoError"):
             raise ModelError(
                 f"could not fetch {repo_id!r} from the Hugging Face hub: {kind} "
@@ -137,8 +144,9 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
                 "is set: fetch it once with network access, or pass a local directory"
             ) from e
         raise ModelError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub (offline or unreachable): "
-            "set HF_HUB_OFFLINE=1 with the model in the local HF cache, or pass a local directory"
+            f"could not fetch {repo_id!r} from the Hugging Face hub (offline or unreachable; "
+            f"no local directory {repo_id} either): set HF_HUB_OFFLINE=1 with the model in the "
+            "local HF cache, or pass a local directory"
         ) from e
     return _check_model_dir(Path(path))
 
@@ -165,7 +173,10 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
         from dspark_flow.models.embedded import ensure_builtin
 
         return ensure_builtin(name)
-    local = Path(ref).expanduser()
+    try:
+        local = Path(ref).expanduser()
+    except RuntimeError:  # ~someone who is not a user here
+        raise ModelError(f"model path {ref!r}: cannot expand its ~ (no such user)") from None
     if local.exists():
         if revision is not None:  # a local copy is what it is; a folder named like a repo id
             log.warning("revision ignored for a local directory", path=ref, revision=revision)
@@ -220,4 +231,5 @@ def load_model_dir(path: str | os.PathLike[str], weights: str = "auto") -> tuple
 def load(ref: str, weights: str = "auto", revision: str | None = None) -> tuple[Any, Any]:
     """resolve_model_path + load_model_dir."""
     keep_compiled_kernels()  # before the embedded model's conversion runs anything on the GPU
+    choose_weight_format(weights)  # a typo fails before a download or a conversion, not after
     return load_model_dir(resolve_model_path(ref, revision), weights)
