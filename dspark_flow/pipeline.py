@@ -47,14 +47,22 @@ def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strate
             f"{slot}: expected a recipe section (a dict with a kind) or a strategy config, "
             f"got {type(config).__name__}"
         )
-    if isinstance(config, dict):
-        cls = registry.load_kind(slot, str(config.get("kind")))
-        try:
-            validated = cls.Config.model_validate(config)
-        except ValidationError as exc:
-            raise ConfigError(validation_message(exc, f"{slot} {config.get('kind')}")) from None
-        return construct(cls, validated)
-    return construct(registry.load_kind(slot, config.kind), config)
+    if isinstance(config, StrategyConfig):
+        cls = registry.load_kind(slot, config.kind)
+        if isinstance(config, cls.Config):
+            return construct(cls, config)
+        # a bare StrategyConfig (Recipe.model_validate skips the kinds' own configs): check it
+        config = config.model_dump()
+    if not isinstance(config.get("kind"), str):
+        raise ConfigError(
+            f"{slot}: missing 'kind' (installed: {registry.describe_installed(slot)})"
+        )
+    cls = registry.load_kind(slot, config["kind"])
+    try:
+        validated = cls.Config.model_validate(config)
+    except ValidationError as exc:
+        raise ConfigError(validation_message(exc, f"{slot} {config['kind']}")) from None
+    return construct(cls, validated)
 
 
 def stop_strings(stop: str | Sequence[str] | None, what: str = "stop strings") -> list[str]:
@@ -155,6 +163,11 @@ class Pipeline:
                 raise ConfigError(
                     f"Pipeline: {slot} is a strategy object, got {type(given).__name__} "
                     "(a recipe section goes in the recipe)"
+                )
+            if given is not None and given.slot != slot:  # it would fail later, blaming another
+                raise ConfigError(
+                    f"Pipeline: {slot}= takes a {slot} strategy, got a {given.slot} "
+                    f"({type(given).__name__})"
                 )
         self.recipe = recipe
         self._target = target

@@ -273,6 +273,7 @@ def test_the_api_names_objects_of_the_wrong_kind(embedded):
     """What an audit of the Python API found ending in an AttributeError, a TypeError from
     inside a template, a misleading hub error or nothing at all (2026-12-03)."""
     from dspark_flow import Pipeline, calibrate, greedy_generate, load_drafter, speculative_generate
+    from dspark_flow.pipeline import build_strategy
 
     model, tok = embedded
     cases = [
@@ -291,6 +292,8 @@ def test_the_api_names_objects_of_the_wrong_kind(embedded):
         (lambda: Pipeline.from_dict({}, target=(model, model)).warm_up(), "no tokenizer"),
         (lambda: Pipeline.from_dict({}, target=(model, tok), draftcap=1), "unknown strategy slot draftcap"),
         (lambda: Pipeline.from_dict({}, target=(model, tok), sampler="x"), "sampler is a strategy object"),
+        (lambda: Pipeline.from_dict({}, drafter=build_strategy("sampler", {"kind": "greedy"})), r"drafter= takes a drafter strategy, got a sampler \(GreedySampler\)"),
+        (lambda: build_strategy("drafter", {}), "drafter: missing 'kind' .installed: "),
         (lambda: calibrate((model, tok), acceptance=2), "calibrate: acceptance: Input should be less than 1"),
         (lambda: calibrate((model, tok), depths=[-1]), "calibrate: depths.0"),
         (lambda: calibrate((model, tok), depths=5), "calibrate: depths"),
@@ -305,6 +308,14 @@ def test_the_api_names_objects_of_the_wrong_kind(embedded):
         speculative_generate(
             model, tok, "builtin:smollm2-135m-dspark", "hi", cap_controller="fixed"
         )
+    # Recipe.model_validate (not from_dict) leaves the sections bare: they are checked against
+    # their kinds' own configs when the pipeline builds them, not found lacking a field later.
+    from dspark_flow import Recipe
+    from dspark_flow.recipe.schema import SLOT_DEFAULTS
+
+    bare = Recipe.model_validate({**SLOT_DEFAULTS, "drafter": {"kind": "lookup"}})
+    pipeline = Pipeline(bare, target=(model, tok))
+    assert pipeline.verifier.config.attention == "auto" and pipeline.drafter.config.max_draft > 0
 
 
 def test_what_a_second_audit_of_the_api_found(embedded, tmp_path):
@@ -692,4 +703,9 @@ def test_max_draft_and_a_set_of_the_cap_s_kind_are_refused_together(capsys):
     assert (
         err
         == "error: --max-draft 4 and --set draft_cap.kind=auto both choose the draft cap; keep one\n"
+    )
+    # Nor may its bound be reported as a --set's.
+    assert main(["run", QUICKSTART, "--prompt", "hi", "--max-draft", "2000"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --max-draft 2000: expected auto or a count from 1 to 1024\n"
     )

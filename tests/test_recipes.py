@@ -53,6 +53,16 @@ def test_tool_defaults_fill_only_slots_the_user_left_out():
     same = ["verifier.max_rows=8", "verifier.kind=kernels"]  # naming the default's own kind
     same_kind = loads_recipe("version: 1\n", overrides=same, defaults=TOOL_DEFAULTS).verifier
     assert same_kind.max_rows == 8 and same_kind.invariant
+    # The user's settings stay whatever the order of the kind among them; the last kind wins,
+    # and landing back on the default's kind keeps the default's settings.
+    for order in (
+        ["verifier.attention=fused", "verifier.kind=reference"],
+        ["verifier.kind=reference", "verifier.attention=fused"],
+    ):
+        mine = loads_recipe("version: 1\n", overrides=order, defaults=TOOL_DEFAULTS).verifier
+        assert mine.kind == "reference" and mine.attention == "fused", order
+    back = ["verifier.kind=reference", "verifier.kind=kernels"]
+    assert loads_recipe("version: 1\n", overrides=back, defaults=TOOL_DEFAULTS).verifier.invariant
 
 
 def test_every_problem_reported_at_once_with_positions():
@@ -158,9 +168,14 @@ def test_overrides_apply_and_revalidate():
 
 
 def test_recipe_round_trips_through_dict():
-    recipe = load_recipe(REPO / "recipes" / "sample.yaml")
-    again = type(recipe).from_dict(recipe.to_dict())
-    assert again == recipe
+    for name in ("sample.yaml", "dspark.yaml"):
+        recipe = load_recipe(REPO / "recipes" / name)
+        again = type(recipe).from_dict(recipe.to_dict())
+        assert again == recipe
+    # A null that is not the default stays null (it came back as the default, 'auto').
+    keep_float = loads_recipe("drafter: {kind: dspark, quantize: null}\n")
+    assert keep_float.drafter.quantize is None
+    assert type(keep_float).from_dict(keep_float.to_dict()).drafter.quantize is None
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -197,3 +212,23 @@ def test_cli_schema_has_every_installed_kind(tmp_path):
     for kind in ("lookup", "draft_model", "sample", "full_block", "strings", "kv", "reference"):
         assert f'"{kind}"' in text
     assert schema["additionalProperties"] is False
+
+
+def test_the_schema_accepts_every_shipped_recipe_and_what_validate_refuses_it_refuses():
+    """Editors check recipes against this schema: it must not flag what the tool accepts (the
+    shipped `prompt_lookup: true`) nor pass what it refuses (another version, no kind)."""
+    import jsonschema
+    import yaml
+
+    from dspark_flow.recipe.jsonschema import recipe_json_schema
+
+    checker = jsonschema.Draft202012Validator(recipe_json_schema())
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        assert not list(checker.iter_errors(yaml.safe_load(path.read_text()))), path.name
+    words = {"drafter": {"kind": "dspark", "quantize": "none", "draft_vocab": "off"}}
+    assert checker.is_valid(words)
+    loads_recipe(yaml.safe_dump(words))  # and the tool takes them too
+    for refused in ({"version": 2}, {"drafter": {"max_draft": 3}}):
+        assert not checker.is_valid(refused), refused
+        with pytest.raises(RecipeError):
+            loads_recipe(yaml.safe_dump(refused))

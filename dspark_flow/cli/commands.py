@@ -57,9 +57,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise DsparkFlowError("--max-tokens must be at least 1")
     if args.max_draft is not None:  # a --set of the whole draft_cap section; later --set refine it
+        from dspark_flow.strategies.draft_caps.fixed import MAX_K as MAX_DRAFT
+
         cap = args.max_draft.strip().lower()
-        if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
-            raise DsparkFlowError(f"--max-draft {args.max_draft}: expected auto or a count >= 1")
+        if cap != "auto" and not (cap.isdigit() and 1 <= int(cap) <= MAX_DRAFT):
+            raise DsparkFlowError(
+                f"--max-draft {args.max_draft}: expected auto or a count from 1 to {MAX_DRAFT}"
+            )
         clash = [o for o in args.overrides if o.replace(" ", "").startswith(CAP_KIND_SETS)]
         if clash:  # its section would be validated as one the user never typed
             raise DsparkFlowError(

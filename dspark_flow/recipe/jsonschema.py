@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, create_model
 
@@ -29,7 +29,7 @@ def _slot_union(slot: str) -> Any:
 def recipe_json_schema() -> dict[str, Any]:
     model = create_model(
         "Recipe",
-        version=(int, 1),
+        version=(Literal[1], 1),
         name=(str | None, None),
         description=(str | None, None),
         target=(TargetSpec, TargetSpec()),
@@ -44,4 +44,7 @@ def recipe_json_schema() -> dict[str, Any]:
     )
     schema = model.model_json_schema()
     schema["additionalProperties"] = False
+    for section in schema.get("$defs", {}).values():  # a slot's section names its kind
+        if "kind" in section.get("properties", {}):
+            section["required"] = sorted({*section.get("required", []), "kind"})
     return schema

@@ -118,19 +118,26 @@ def apply_overrides(
     data: dict[str, Any], overrides: list[str], filled: frozenset[str] = frozenset()
 ) -> dict[Loc, str]:
     """Apply `--set` overrides in place; return which locations they touched. `filled`: slots
-    the caller filled with its defaults; setting such a slot's kind starts it afresh (the
-    default's other settings may not exist for the kind the user names)."""
+    the caller filled with its defaults; setting such a slot's kind to another starts it afresh
+    (the default's other settings may not exist for the kind the user names)."""
     touched: dict[Loc, str] = {}
     if isinstance(overrides, str):  # one override given bare (Python callers)
         overrides = [overrides]
     if not isinstance(overrides, list | tuple) or not all(isinstance(o, str) for o in overrides):
         raise RecipeError(f"overrides: expected 'path=value' strings, got {overrides!r}")
+    # A default-filled slot whose kind the overrides change (the last `SLOT.kind=` wins) starts
+    # afresh before any override applies: the default's settings may not exist for that kind,
+    # while the user's own `--set`s for the slot, whatever their order, all stay.
+    final_kinds = {}
     for text in overrides:
         path, value = parse_override(text)
-        slot_name = str(path[0])
-        slot = data.get(slot_name) if len(path) == 2 and slot_name in filled else None
-        if isinstance(slot, dict) and path[1] == "kind" and slot.get("kind") != value:
-            data[slot_name] = {}  # another kind than the default's: its settings may not apply
+        if len(path) == 2 and path[1] == "kind" and str(path[0]) in filled:
+            final_kinds[str(path[0])] = value
+    for slot_name, kind in final_kinds.items():
+        if isinstance(data.get(slot_name), dict) and data[slot_name].get("kind") != kind:
+            data[slot_name] = {}
+    for text in overrides:
+        path, value = parse_override(text)
         node: Any = data
         for i, part in enumerate(path[:-1]):
             nxt = path[i + 1]

@@ -105,4 +105,6 @@ class Recipe(Section):
         return validate(data, source=source)
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
+        # Nulls kept: a None that is not the default (a drafter's `quantize: null`, keep the
+        # float weights) would come back as the default.
+        return self.model_dump(mode="json")

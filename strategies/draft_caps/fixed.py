@@ -8,10 +8,12 @@ from pydantic import Field
 
 from dspark_flow.strategy import DRAFTER_SOURCE, DraftCap, StrategyConfig
 
+MAX_K = 1024
+
 
 class FixedCapConfig(StrategyConfig):
     kind: Literal["fixed"] = "fixed"
-    k: int = Field(4, ge=1, le=1024, description="tokens to draft per round (at most 1024)")
+    k: int = Field(4, ge=1, le=MAX_K, description=f"tokens to draft per round (at most {MAX_K})")
 
 
 class FixedCap(DraftCap):

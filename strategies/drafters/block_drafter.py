@@ -58,6 +58,14 @@ class PromptLookup(NgramSearch):
     )
 
 
+# What the before-validators below also accept, for the recipe's JSON Schema (editors would
+# flag a shipped recipe's `prompt_lookup: true` otherwise).
+_OFF_WORDS = Literal["none", "null", "off"]
+_QUANTIZE_INPUT = Literal["auto", 4, 8] | _OFF_WORDS | None
+_LOOKUP_INPUT = PromptLookup | bool | _OFF_WORDS | None
+_VOCAB_INPUT = int | Literal[False] | _OFF_WORDS | None
+
+
 class BlockDrafterConfig(StrategyConfig):
     BOOLEAN_WORDS: ClassVar[frozenset[str]] = frozenset({"draft_vocab"})  # `draft_vocab: off`: all
     # Settings that leave the drafter's pass and its cost as they are (calibration keys skip them)
@@ -110,7 +118,7 @@ class BlockDrafterConfig(StrategyConfig):
         "H200 at context lengths not seen before, 2.1 ms as matmul), fused elsewhere",
     )
 
-    @field_validator("quantize", mode="before")
+    @field_validator("quantize", mode="before", json_schema_input_type=_QUANTIZE_INPUT)
     @classmethod
     def _none_word(cls, value: Any) -> Any:
         # `quantize: none` in YAML is the string "none", not null.
@@ -118,7 +126,7 @@ class BlockDrafterConfig(StrategyConfig):
             None if isinstance(value, str) and value.lower() in ("none", "null", "off") else value
         )
 
-    @field_validator("prompt_lookup", mode="before")
+    @field_validator("prompt_lookup", mode="before", json_schema_input_type=_LOOKUP_INPUT)
     @classmethod
     def _lookup_switch(cls, value: Any) -> Any:
         # `prompt_lookup: true` (or `--set drafter.prompt_lookup=true`) takes the defaults.
@@ -128,7 +136,7 @@ class BlockDrafterConfig(StrategyConfig):
             return None
         return value
 
-    @field_validator("draft_vocab", mode="before")
+    @field_validator("draft_vocab", mode="before", json_schema_input_type=_VOCAB_INPUT)
     @classmethod
     def _vocab_off(cls, value: Any) -> Any:
         # YAML reads `off`/`no` as false; `none` is a string. Each means the full vocabulary.
