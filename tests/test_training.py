@@ -195,6 +195,30 @@ def test_a_failed_or_interrupted_checkpoint_save_leaves_no_half_checkpoint(
         assert not list((tmp_path / "c").iterdir()), failure  # neither the temporary nor a step
 
 
+def test_the_optimizer_is_bias_corrected_adamw_on_float32_weights_on_every_backend(
+    embedded, samples, tmp_path, monkeypatch
+):
+    """In bfloat16 without a float32 master copy, AdamW rounded most updates away (the norm
+    weights of the drafters trained on the H200 before 2026-12-04 never moved) and beta2 = 0.999
+    rounded to 1; MLX's AdamW also leaves bias correction out unless asked."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dspark_flow.models import backend
+
+    model, tok = embedded
+    monkeypatch.setattr(backend, "backend_name", lambda: "cuda")  # what `auto` picks on a GPU
+    trainer = DrafterTrainer(small_recipe("dspark", steps=1), progress=False, checkpoints=tmp_path)
+    trainer.warm_up(model, tok)
+    assert trainer.compute_dtype == mx.float32 and trainer.optimizer.bias_correction
+    before = {k: mx.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())}
+    monkeypatch.undo()
+    trainer.train(samples)
+    after = dict(tree_flatten(trainer.model.trainable_parameters()))
+    norms = [k for k in before if "norm" in k]
+    assert norms and all(not mx.array_equal(before[k], after[k]) for k in norms), norms
+
+
 def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, samples, tmp_path):
     import signal
 

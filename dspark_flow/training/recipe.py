@@ -190,8 +190,17 @@ class TrainSpec(Section):
     warmup_steps: int = Field(50, ge=0, description="linear warmup from lr / 100 to lr")
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW's decoupled weight decay")
     grad_clip: float = Field(1.0, gt=0.0, description="gradients are clipped to this global norm")
+    bias_correction: bool = Field(
+        True,
+        description="AdamW's bias correction, as in the papers (MLX's own default is off, which "
+        "scales the first steps 2-6x; the drafters shipped before 2026-12-04 trained without it)",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="drafter compute dtype: auto = float32 on CPU, bfloat16 on GPUs"
+        "auto",
+        description="the drafter's weights, AdamW state and compute: auto = float32 everywhere. "
+        "bfloat16 keeps the weights and AdamW's state in bfloat16 too (no float32 master copy): "
+        "updates below a weight's bfloat16 spacing are lost (norm weights near 1 never move) "
+        "and beta2 = 0.999 rounds to 1; the drafters shipped before 2026-12-04 trained so",
     )
     loss: LossSpec = Field(LossSpec(), description="weights of the loss terms")
     checkpoint_every: int = Field(250, ge=1, description="steps between checkpoints")

@@ -50,6 +50,10 @@ STATE = "trainer.json"
 OPTIMIZER = "optimizer.safetensors"
 
 
+# 2 (2026-12-04): bias-corrected AdamW, float32 weights and optimizer state on every backend.
+TRAINER_VERSION = 2
+
+
 def work_dir(recipe: TrainRecipe) -> Path:
     from dspark_flow.models.embedded import cache_root
 
@@ -63,6 +67,7 @@ def recipe_key(recipe: TrainRecipe) -> str:
     )
     for k in ("steps", "checkpoint_every", "log_every", "compile"):
         data["train"].pop(k)
+    data["trainer"] = TRAINER_VERSION  # a checkpoint of another optimizer does not resume
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -220,11 +225,12 @@ class DrafterTrainer:
 
     @property
     def compute_dtype(self) -> mx.Dtype:
-        from dspark_flow.models.backend import backend_name
-
         want = self.recipe.train.dtype
         if want == "auto":
-            want = "float32" if backend_name() == "cpu" else "bfloat16"
+            # float32 on GPUs too: in bfloat16 without a float32 master copy, AdamW lost most
+            # updates (every norm weight of the drafters shipped before 2026-12-04 stayed at
+            # its initial value) and its second moment never decayed.
+            want = "float32"
         return {"float32": mx.float32, "bfloat16": mx.bfloat16}[want]
 
     def _build_optimizer(self) -> optim.Optimizer:
@@ -236,7 +242,11 @@ class DrafterTrainer:
             schedule = optim.join_schedules([warm, cosine], [t.warmup_steps])
         else:
             schedule = cosine
-        return optim.AdamW(learning_rate=schedule, weight_decay=t.weight_decay)
+        # Bias-corrected by default, as the papers' (PyTorch's) AdamW: MLX's default leaves it out,
+        # which made the early steps 2-6x the scheduled learning rate.
+        return optim.AdamW(
+            learning_rate=schedule, weight_decay=t.weight_decay, bias_correction=t.bias_correction
+        )
 
     def start_from_init(self) -> dict[str, Any]:
         """A fresh run's warm start from `train.init_from` (warm_start.py); a resumed run
