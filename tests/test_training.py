@@ -721,6 +721,34 @@ def test_width_mismatch_fails_before_any_work(embedded):
         check_against_target(recipe, model)
 
 
+def test_a_moved_checkout_resumes_its_checkpoints_and_an_edited_prompt_file_does_not(tmp_path):
+    from dspark_flow.training.trainer import recipe_key
+
+    keys = []
+    for where, text in (("a", "x\n"), ("b", "x\n"), ("c", "y\n")):
+        prompts = tmp_path / where / "mine.jsonl"
+        prompts.parent.mkdir()
+        prompts.write_text(json.dumps({"turns": [text]}) + "\n")
+        spec = run_spec(tmp_path / where, "moved", steps=1, new_tokens=8)
+        spec["name"] = "test-moved"
+        spec["data"]["prompts"] = [{"path": str(prompts)}]
+        keys.append(recipe_key(TrainRecipe.model_validate(spec)))
+    assert keys[0] == keys[1] != keys[2]
+
+
+def test_train_check_checks_the_drafter_against_the_target_on_disk(embedded, tmp_path, capsys):
+    """`--check` refused what a run would refuse 3 s in only for mistakes inside the recipe;
+    the width and the tap layers are checked against the target too when it is on disk."""
+    from dspark_flow.cli.main import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_recipe_text(hidden_size=512))
+    assert main(["train", str(bad), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden_size 512 does not match the target's width 576" in err
+    assert err.count("\n") == 1
+
+
 def test_cli_reports_a_bad_training_recipe_in_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(_recipe_text(block_size=0) + "train:\n  stepz: 3\n")

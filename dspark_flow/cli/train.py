@@ -8,6 +8,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from dspark_flow.cli.args import add_recipe
 from dspark_flow.errors import DsparkFlowError
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 "run stops there, before making the data)",
                 file=sys.stderr,
             )
+        _check_against_target_on_disk(recipe)
         print(f"{args.recipe}: ok ({recipe.drafter.kind}, block {recipe.drafter.block_size})")
         return 0
     command = "dspark-flow train " + " ".join(shlex.quote(a) for a in sys.argv[2:])
@@ -94,3 +96,28 @@ def run(args: argparse.Namespace) -> int:
     elif not {"eval", "train", "data", "vocab", "exported_step"} & summary.keys():
         raise DsparkFlowError("nothing was run")
     return 0
+
+
+def _check_against_target_on_disk(recipe: Any) -> None:
+    """The drafter against its target (width, tap layers, heads, mask id), as a run checks it
+    before any work, when the target needs no download: the built-in model once converted, or
+    a local directory. A hub id is checked when the run loads it (said on stderr)."""
+    from dspark_flow.api import load_target
+    from dspark_flow.models import embedded
+    from dspark_flow.models.loading import BUILTIN_PREFIX
+    from dspark_flow.training.recipe import check_against_target
+
+    ref = recipe.target.model
+    if ref.startswith(BUILTIN_PREFIX):
+        name = ref[len(BUILTIN_PREFIX) :]
+        on_disk = name in embedded.BUILTIN_MODELS and embedded.is_built(name)
+    else:
+        on_disk = Path(ref).expanduser().is_dir()
+    if not on_disk:
+        print(
+            f"note: {ref} is not on disk: the drafter is checked against it when a run loads it",
+            file=sys.stderr,
+        )
+        return
+    model, _ = load_target(ref, recipe.target.revision, weights="native")
+    check_against_target(recipe, model)

@@ -75,6 +75,11 @@ def _spec(name: str) -> dict[str, Any]:
     return BUILTIN_MODELS[name]
 
 
+def is_built(name: str) -> bool:
+    """Whether the built-in model `name` is converted and whole in the cache (no work to do)."""
+    return _is_complete(cache_root() / "models" / name, _spec(name))
+
+
 def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
     try:
         marker = json.loads((target / MARKER).read_text())

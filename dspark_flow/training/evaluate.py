@@ -26,8 +26,10 @@ def evaluate_drafter(
     *,
     max_new_tokens: int = 128,
     progress: bool = True,
+    system: str | None = None,
 ) -> dict[str, dict[str, float]]:
-    """{category: {tau, prompts, tokens, rounds, seconds}} plus an 'all' row."""
+    """{category: {tau, prompts, tokens, rounds, seconds}} plus an 'all' row. `system`: the
+    system message the training data was made with (the prompts are asked under it too)."""
     from tqdm import tqdm
 
     from dspark_flow.api import load_drafter, speculative_generate
@@ -42,8 +44,14 @@ def evaluate_drafter(
         jobs, desc=f"evaluate {Path(drafter_dir).name}", unit="prompt", disable=not progress
     ):
         t0 = time.perf_counter()
+        turns = [{"role": "system", "content": system}] if system else []
         res = speculative_generate(
-            target, tokenizer, drafter, prompt, max_new_tokens=max_new_tokens, max_draft_tokens=None
+            target,
+            tokenizer,
+            drafter,
+            [*turns, {"role": "user", "content": prompt}],
+            max_new_tokens=max_new_tokens,
+            max_draft_tokens=None,
         )
         for key in (cat, "all"):
             row = totals.setdefault(key, {"prompts": 0, "tokens": 0, "rounds": 0, "seconds": 0.0})

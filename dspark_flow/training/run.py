@@ -327,6 +327,7 @@ def _eval_stage(
                 recipe.eval.prompts,
                 max_new_tokens=recipe.eval.max_new_tokens,
                 progress=progress,
+                system=recipe.data.system,  # the context the drafter was trained in
             )
             print(f"{label} ({path}):\n{format_eval(summary['eval'][label])}", file=sys.stderr)
 
