@@ -2,7 +2,7 @@
 
 On CUDA, `mx.fast.scaled_dot_product_attention` in float16/bfloat16 for several queries goes
 to cuDNN, which plans each key length it has not seen (on an H200: a bf16 verify's attention
-37-75 ms a call, a drafter's pass 42-109 ms, 2-3 ms once seen; docs/kernels.md, benchmarks §6),
+37-75 ms a call, a drafter's pass 41-64 ms, 2-3 ms once seen; docs/kernels.md, benchmarks §6),
 and both a drafter's keys and a verify's keys grow every round. `matmul_attention` computes
 the same attention as two matmuls and a softmax, which plan nothing.
 

@@ -114,7 +114,7 @@ class BlockDrafterConfig(StrategyConfig):
         "auto",
         description="the drafter's attention: fused = MLX's scaled_dot_product_attention, "
         "matmul = two matmuls and a softmax (no per-shape plan); auto = matmul on CUDA, where "
-        "the fused kernel plans every new key length anew (a DSpark pass cost 42-109 ms on an "
+        "the fused kernel plans every new key length anew (a DSpark pass cost 41-64 ms on an "
         "H200 at context lengths not seen before, 2.1 ms as matmul), fused elsewhere",
     )
 
