@@ -714,6 +714,17 @@ def test_missing_prompt_file_fails_validation(tmp_path):
         loads_train_recipe(text, "r.yaml", base=tmp_path)
 
 
+def test_evaluation_on_training_prompts_fails_validation(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"turns": ["a"]}\n{"turns": ["b"]}\n')
+    (tmp_path / "held.jsonl").write_text('{"turns": ["c"]}\n{"turns": ["b"]}\n')
+    text = "name: bad\ndata:\n  prompts:\n    - {path: train.jsonl}\neval:\n  prompts:\n"
+    with pytest.raises(RecipeError) as e:
+        loads_train_recipe(text + "    - {path: held.jsonl}\n", "r.yaml", base=tmp_path)
+    assert "eval.prompts[0].path: 1 of its prompts are also training prompts" in str(e.value)
+    held_out = text + "    - {path: held.jsonl, limit: 1}\n"  # only "c"
+    assert loads_train_recipe(held_out, "r.yaml", base=tmp_path).eval.prompts[0].limit == 1
+
+
 def test_width_mismatch_fails_before_any_work(embedded):
     model, _ = embedded
     recipe = loads_train_recipe(_recipe_text(hidden_size=512), "r.yaml")

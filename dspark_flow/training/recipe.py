@@ -306,6 +306,7 @@ def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
     from dspark_flow.training.data import read_prompts
 
     problems = []
+    trained_on: set[str] = set()
     for section, specs in (("data", recipe.data.prompts), ("eval", recipe.eval.prompts)):
         for i, spec in enumerate(specs):
             where, path = f"{source} {section}.prompts[{i}].path", Path(spec.path)
@@ -315,11 +316,21 @@ def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
                 problems.append(f"{where}: prompt file not found: {spec.path}")
             else:
                 try:
-                    if not read_prompts(spec):  # data or evaluation of nothing is a slip
-                        within = f" within lines {spec.lines}" if spec.lines else ""
-                        problems.append(f"{where}: no prompts in {spec.path}{within}")
+                    prompts = read_prompts(spec)
                 except RecipeError as exc:
                     problems.append(f"{where}: {exc}")
+                    continue
+                if not prompts:  # data or evaluation of nothing is a slip
+                    within = f" within lines {spec.lines}" if spec.lines else ""
+                    problems.append(f"{where}: no prompts in {spec.path}{within}")
+                if section == "data":
+                    trained_on.update(prompts)
+                elif seen := [p for p in prompts if p in trained_on]:
+                    # τ on prompts the drafter trained on is not a held-out figure
+                    problems.append(
+                        f"{where}: {len(seen)} of its prompts are also training prompts "
+                        f"(data.prompts), e.g. {seen[0][:60]!r}: evaluate on held-out prompts"
+                    )
     if problems:
         raise RecipeError(problems)
 
