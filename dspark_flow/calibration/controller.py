@@ -526,7 +526,7 @@ class CurveCap(DraftCap):
             log.warning("draft cap used before warm_up(); drafting a fixed k", k=FALLBACK_K)
             return min(FALLBACK_K, limit)
         if not self.adaptive or limit == 0:
-            return plan.k if plan.gain >= 1.0 else 0  # no k is expected to pay: plain decoding
+            return plan.k
         cfg = self.config
         min_gain = getattr(cfg, "min_gain", 1.0)
         state.off_key = None

@@ -9,12 +9,13 @@ again and replace it"; nothing in the cache can make a run fail.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -270,5 +271,30 @@ class CurveStore:
         measured, the file they are in: None when it could not be written)."""
         if not force and (cached := self.load(key)) is not None:
             return cached, False, self.path_for(key)
-        curves = measure()
-        return curves, True, self.save(key, curves)
+        with self._measuring(key):
+            # Another process may have measured them while this one waited: two measuring at
+            # once would time each other's load, and cache the slowed curves.
+            if not force and (cached := self.load(key)) is not None:
+                return cached, False, self.path_for(key)
+            curves = measure()
+            return curves, True, self.save(key, curves)
+
+    @contextlib.contextmanager
+    def _measuring(self, key: dict[str, Any]) -> Iterator[None]:
+        """One process measures a key at a time: a lock file in the machine's temporary folder
+        (the cache folder keeps only curves); where none can be taken, measure without it."""
+        import tempfile
+
+        from filelock import FileLock  # a huggingface_hub dependency, so always present
+
+        name = f"dspark-flow-calibrating-{self.path_for(key).stem}.lock"
+        try:
+            lock = FileLock(str(Path(tempfile.gettempdir()) / name))
+            lock.acquire()
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
