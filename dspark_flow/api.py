@@ -260,11 +260,8 @@ def load_drafter(
     _check_target(target, "load_drafter")
     if kind is None and (hint := _kind_not_checkpoint(ref)):
         raise ConfigError(f"load_drafter: {ref!r} is a drafter kind, not a checkpoint; {hint}")
-    if kind is not None and not issubclass(_drafter_class(kind), BlockDrafter):
-        raise ConfigError(  # before anything is downloaded
-            f"load_drafter: kind {kind!r} loads no checkpoint; trained drafters are dspark or "
-            "dflash (lookup_generate and draft_model_generate take the others)"
-        )
+    if kind is not None:  # before anything is downloaded
+        _check_checkpoint_kind(kind, "load_drafter")
     path = resolve_model_path(ref, revision)
     if kind is None:
         kind = "dspark" if read_spec(path).layout == DEEPSPEC else "dflash"
@@ -273,6 +270,17 @@ def load_drafter(
     assert isinstance(drafter, BlockDrafter)  # (its kind was checked above, or is one of ours)
     drafter.load_path(path)
     return warm(drafter, BuildContext(model=target, tokenizer=None, recipe=None))
+
+
+def _check_checkpoint_kind(kind: str, caller: str) -> None:
+    """A ConfigError unless `kind` names a drafter that loads a trained checkpoint."""
+    from dspark_flow.strategies.drafters.block_drafter import BlockDrafter
+
+    if not issubclass(_drafter_class(kind), BlockDrafter):
+        raise ConfigError(
+            f"{caller}: kind {kind!r} loads no checkpoint; trained drafters are dspark or "
+            "dflash (lookup_generate and draft_model_generate take the others)"
+        )
 
 
 def _kind_not_checkpoint(ref: str) -> str | None:
@@ -319,15 +327,14 @@ def load_pair(
     drafter settings (`draft_vocab=8192`, `prompt_lookup=True`, ... as in a recipe) as in
     `load_drafter`."""
     from dspark_flow.models.drafter_loading import resolve_drafter
-    from dspark_flow.strategies.drafters.block_drafter import BlockDrafter
 
     target_ref = _model_ref(target, "load_pair: target") or DEFAULT_MODEL
     drafter = _model_ref(drafter, "load_pair: drafter")
     if drafter is None:  # before any download: an unknown target fails fast
         entry = resolve_drafter(target_ref, kind)
         drafter, kind = str(entry["drafter"]), str(entry["kind"])
-    if kind is not None and issubclass(_drafter_class(kind), BlockDrafter):
-        # a typo in a drafter setting fails before the target is downloaded and loaded
+    if kind is not None:  # a wrong kind or setting fails before the target is downloaded
+        _check_checkpoint_kind(kind, "load_pair")
         build_strategy("drafter", {"kind": kind, "quantize": quantize, **drafter_options})
     model, tokenizer = load_target(target_ref, revision, weights)
     loaded = load_drafter(

@@ -54,9 +54,7 @@ def build_strategy(slot: str, config: StrategyConfig | dict[str, Any]) -> Strate
         # a bare StrategyConfig (Recipe.model_validate skips the kinds' own configs): check it
         config = config.model_dump()
     if not isinstance(config.get("kind"), str):
-        raise ConfigError(
-            f"{slot}: missing 'kind' (installed: {registry.describe_installed(slot)})"
-        )
+        raise ConfigError(f"{slot}: {registry.missing_kind_message(slot)}")
     cls = registry.load_kind(slot, config["kind"])
     try:
         validated = cls.Config.model_validate(config)

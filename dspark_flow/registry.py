@@ -131,6 +131,10 @@ def describe_installed(slot: str) -> str:
     return ", ".join(parts) or "(none)"
 
 
+def missing_kind_message(slot: str) -> str:
+    return f"missing 'kind' (installed: {describe_installed(slot)})"
+
+
 def unknown_kind_message(slot: str, kind: str) -> str:
     names = kind_names(slot)
     close = difflib.get_close_matches(kind, names, n=1, cutoff=0.5)

@@ -4,7 +4,6 @@ and loaded once per test session."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -22,19 +21,6 @@ def embedded():
     from dspark_flow.api import load_target
 
     return load_target()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def no_training_leftovers():
-    """Training work dirs live in the user cache (cache_root()/train/NAME); the tests' recipes
-    are named test-*. Remove the ones this session made, so a local run leaves nothing behind."""
-    from dspark_flow.models.embedded import cache_root
-
-    train = cache_root() / "train"
-    before = set(train.glob("test-*"))
-    yield
-    for leftover in set(train.glob("test-*")) - before:
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 @pytest.fixture

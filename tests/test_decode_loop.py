@@ -23,10 +23,10 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def greedy_refs(embedded):
-    """Plain greedy output for the first 20 prompts (computed once)."""
+    """Plain greedy output for the first 12 prompts (computed once)."""
     model, tok = embedded
     return [
-        greedy_generate(model, tok, p["turns"][0], max_new_tokens=MAX_NEW) for p in PROMPTS[:20]
+        greedy_generate(model, tok, p["turns"][0], max_new_tokens=MAX_NEW) for p in PROMPTS[:12]
     ]
 
 
@@ -43,10 +43,10 @@ def test_greedy_answers_paris(greedy_refs):
     assert r.target_forwards == r.num_rounds + 2 + overlaps_plain_rounds()
 
 
-def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
+def test_lookup_is_lossless_on_12_prompts(embedded, greedy_refs):
     model, tok = embedded
     drafted = 0
-    for prompt, ref in zip(PROMPTS[:20], greedy_refs):
+    for prompt, ref in zip(PROMPTS[:12], greedy_refs):
         res = lookup_generate(model, tok, prompt["turns"][0], max_new_tokens=MAX_NEW)
         assert res.token_ids == ref.token_ids, prompt["turns"][0][:40]
         assert res.text == ref.text
@@ -54,7 +54,7 @@ def test_lookup_is_lossless_on_20_prompts(embedded, greedy_refs):
         # nothing a round committed past a stop.
         assert sum(res.accept_lengths) == sum(ref.accept_lengths)
         drafted += res.num_tokens - 1 - res.num_rounds
-    assert drafted > 50  # the copy-heavy prompts really did accept drafts
+    assert drafted > 30  # the copy-heavy prompts really did accept drafts (42 on 2026-12-04)
 
 
 def test_the_one_call_api_takes_a_verifier(embedded, greedy_refs):

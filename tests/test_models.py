@@ -503,6 +503,8 @@ def test_argument_typos_fail_before_anything_is_fetched(monkeypatch):
         load_pair("acme/not-a-model", "acme/drafter", kind="dspark", quantize=3)
     with pytest.raises(ConfigError, match="draft_vocabb: Extra inputs are not permitted"):
         load_pair("acme/not-a-model", "acme/drafter", kind="dflash", draft_vocabb=3)
+    with pytest.raises(ConfigError, match="load_pair: kind 'lookup' loads no checkpoint"):
+        load_pair("acme/not-a-model", "acme/drafter", kind="lookup")
 
 
 def test_float_formats_dequantize_mixture_of_experts_layers_too():

@@ -121,6 +121,9 @@ def test_yaml_aliases_are_walked_once():
     lines = ["x0: &a0 [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"]
     lines += [f"x{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 10)}]" for n in range(1, 9)]
     assert len(problems("\n".join(lines))) == 9
+    # ...nor may a message quote such a value whole (its repr is 10^9 items).
+    found = problems("\n".join([*lines, "drafter: {kind: *a8}"]))
+    assert len(found) == 10 and max(len(p) for p in found) < 300
     assert problems("stop: &s [{kind: eos}, *s]\n") == [
         "r.yaml:1:7 stop.1: Input should be a valid dictionary"
     ]
@@ -225,10 +228,14 @@ def test_the_schema_accepts_every_shipped_recipe_and_what_validate_refuses_it_re
     checker = jsonschema.Draft202012Validator(recipe_json_schema())
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         assert not list(checker.iter_errors(yaml.safe_load(path.read_text()))), path.name
-    words = {"drafter": {"kind": "dspark", "quantize": "none", "draft_vocab": "off"}}
+    words = {"drafter": {"kind": "dspark", "quantize": "none", "prompt_lookup": "off"}}
     assert checker.is_valid(words)
     loads_recipe(yaml.safe_dump(words))  # and the tool takes them too
-    for refused in ({"version": 2}, {"drafter": {"max_draft": 3}}):
+    for refused in (
+        {"version": 2},
+        {"drafter": {"max_draft": 3}},
+        {"drafter": {"kind": "dspark", "draft_vocab": 0}},
+    ):
         assert not checker.is_valid(refused), refused
         with pytest.raises(RecipeError):
             loads_recipe(yaml.safe_dump(refused))

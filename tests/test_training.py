@@ -27,7 +27,7 @@ from dspark_flow.training.recipe import (
     check_against_target,
     loads_train_recipe,
 )
-from dspark_flow.training.trainer import DrafterTrainer
+from dspark_flow.training.trainer import DrafterTrainer, work_dir
 from tests.conftest import cli_env
 
 PROMPTS = ["What is 12 times 7?", "Write a Python function that reverses a string."]
@@ -485,16 +485,19 @@ def test_a_data_stage_that_fails_before_writing_leaves_no_empty_cache(embedded, 
 
     spec = run_spec(tmp_path, "no-fit", steps=1, new_tokens=8)
     tight = TrainRecipe.model_validate({**spec, "data": {**spec["data"], "max_prompt_tokens": 8}})
-    with pytest.raises(DsparkFlowError, match="no training prompt fits"):
-        run_training(tight, stages=("data",), progress=False)
-    assert not data_cache_dir(tight).exists()
-    # Nor does it delete data an earlier recipe made in that folder (it cleared it first).
-    run_training(TrainRecipe.model_validate(spec), stages=("data",), progress=False)
-    made = sorted(p.name for p in data_cache_dir(tight).iterdir())
-    with pytest.raises(DsparkFlowError, match="no training prompt fits"):
-        run_training(tight, stages=("data",), progress=False)
-    assert sorted(p.name for p in data_cache_dir(tight).iterdir()) == made
-    assert "shard_00000.npz" in made
+    try:
+        with pytest.raises(DsparkFlowError, match="no training prompt fits"):
+            run_training(tight, stages=("data",), progress=False)
+        assert not data_cache_dir(tight).exists()
+        # Nor does it delete data an earlier recipe made in that folder (it cleared it first).
+        run_training(TrainRecipe.model_validate(spec), stages=("data",), progress=False)
+        made = sorted(p.name for p in data_cache_dir(tight).iterdir())
+        with pytest.raises(DsparkFlowError, match="no training prompt fits"):
+            run_training(tight, stages=("data",), progress=False)
+        assert sorted(p.name for p in data_cache_dir(tight).iterdir()) == made
+        assert "shard_00000.npz" in made
+    finally:  # the run's record lives in the user cache (its work dir)
+        shutil.rmtree(work_dir(tight), ignore_errors=True)
 
 
 def test_a_mask_id_outside_the_vocabulary_fails_before_the_data_stage(embedded, tmp_path):
@@ -893,7 +896,7 @@ def test_the_vocab_stage_counts_the_answer_tokens(embedded, tmp_path):
     prompts.write_text('{"turns": ["What is 2 + 2?"]}\n{"turns": ["Name three colours."]}\n')
     recipe = TrainRecipe.model_validate(
         {
-            "name": "test-vocab",
+            "name": f"test-vocab-{tmp_path.name}",
             "drafter": small_recipe("dspark").drafter.model_dump(),
             "data": {
                 "prompts": [{"path": str(prompts)}],
@@ -928,10 +931,12 @@ def test_the_vocab_stage_counts_the_answer_tokens(embedded, tmp_path):
     with pytest.raises(DsparkFlowError, match="did not export"):
         run_training(recipe, stages=("vocab",), progress=False)
     assert (tmp_path / "drafter" / VOCAB_FILE).read_bytes() == kept
-    (tmp_path / "drafter" / "config.json").write_text('{"dspark_flow": {"recipe": "test-vocab"}}')
+    mine = json.dumps({"dspark_flow": {"recipe": recipe.name}})
+    (tmp_path / "drafter" / "config.json").write_text(mine)
     run_training(recipe, stages=("vocab",), progress=False)
     card = (tmp_path / "drafter" / "README.md").read_text()
     assert f"among the {len(answers)} answer tokens ({len(ids)} distinct)" in card
+    shutil.rmtree(work_dir(recipe), ignore_errors=True)  # the run's record, in the user cache
 
 
 def test_the_embedded_target_resolves_to_its_shipped_drafter():

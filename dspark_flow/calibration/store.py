@@ -177,10 +177,17 @@ def machine_identity() -> dict[str, Any]:
         "device": _jsonable(device),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        # what the CPU's verify curves scale with: the cores this process may use, and BLAS's
+        "blas": blas.get("openblas") if blas.get("active") else None,
+        **(_cpu_threads() if backend_name() == "cpu" else {}),
+    }
+
+
+def _cpu_threads() -> dict[str, Any]:
+    """What the CPU backend's verify curves scale with: the cores this process may use, and
+    BLAS's threads (a GPU's do not: keying them would measure again per launcher)."""
+    return {
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "threads": {k: os.environ.get(k) for k in THREAD_VARIABLES if os.environ.get(k)},
-        "blas": blas.get("openblas") if blas.get("active") else None,
     }
 
 
@@ -285,16 +292,21 @@ class CurveStore:
         (the cache folder keeps only curves); where none can be taken, measure without it."""
         import tempfile
 
-        from filelock import FileLock  # a huggingface_hub dependency, so always present
+        from filelock import FileLock, Timeout  # a huggingface_hub dependency, always present
 
         name = f"dspark-flow-calibrating-{self.path_for(key).stem}.lock"
+        lock = FileLock(str(Path(tempfile.gettempdir()) / name))
+        held = True
         try:
-            lock = FileLock(str(Path(tempfile.gettempdir()) / name))
-            lock.acquire()
-        except OSError:
-            yield
-            return
+            try:
+                lock.acquire(timeout=1)
+            except Timeout:
+                log.info("waiting for another process measuring the same curves", lock=name)
+                lock.acquire()
+        except (OSError, NotImplementedError):  # no locking there (e.g. flock on some NFS)
+            held = False
         try:
             yield
         finally:
-            lock.release()
+            if held:
+                lock.release()

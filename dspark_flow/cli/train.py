@@ -101,23 +101,35 @@ def run(args: argparse.Namespace) -> int:
 def _check_against_target_on_disk(recipe: Any) -> None:
     """The drafter against its target (width, tap layers, heads, mask id), as a run checks it
     before any work, when the target needs no download: the built-in model once converted, or
-    a local directory. A hub id is checked when the run loads it (said on stderr)."""
-    from dspark_flow.api import load_target
+    a local directory. Built lazily: no weight is read. A hub id is checked when the run loads
+    it (said on stderr)."""
+    from mlx_lm.utils import load_model
+
+    from dspark_flow.errors import ModelError
     from dspark_flow.models import embedded
-    from dspark_flow.models.loading import BUILTIN_PREFIX
+    from dspark_flow.models.loading import BUILTIN_PREFIX, _brief
     from dspark_flow.training.recipe import check_against_target
 
     ref = recipe.target.model
+    path: Path | None = None
     if ref.startswith(BUILTIN_PREFIX):
         name = ref[len(BUILTIN_PREFIX) :]
-        on_disk = name in embedded.BUILTIN_MODELS and embedded.is_built(name)
+        if name in embedded.BUILTIN_MODELS and embedded.is_built(name):
+            path = embedded.cache_root() / "models" / name
     else:
-        on_disk = Path(ref).expanduser().is_dir()
-    if not on_disk:
+        try:
+            local = Path(ref).expanduser()
+        except RuntimeError:  # ~someone unknown here: the run names it
+            local = None
+        path = local if local is not None and local.is_dir() else None
+    if path is None:
         print(
             f"note: {ref} is not on disk: the drafter is checked against it when a run loads it",
             file=sys.stderr,
         )
         return
-    model, _ = load_target(ref, recipe.target.revision, weights="native")
+    try:
+        model, _ = load_model(path, lazy=True)
+    except Exception as e:  # the run's loader words each case; here one line is enough
+        raise ModelError(f"target {ref}: could not read it ({_brief(e)})") from e
     check_against_target(recipe, model)

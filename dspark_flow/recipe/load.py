@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -124,7 +125,7 @@ def apply_overrides(
     if isinstance(overrides, str):  # one override given bare (Python callers)
         overrides = [overrides]
     if not isinstance(overrides, list | tuple) or not all(isinstance(o, str) for o in overrides):
-        raise RecipeError(f"overrides: expected 'path=value' strings, got {overrides!r}")
+        raise RecipeError(f"overrides: expected 'path=value' strings, got {_brief_repr(overrides)}")
     # A default-filled slot whose kind the overrides change (the last `SLOT.kind=` wins) starts
     # afresh before any override applies: the default's settings may not exist for that kind,
     # while the user's own `--set`s for the slot, whatever their order, all stay.
@@ -188,20 +189,31 @@ def _pydantic_problems(exc: ValidationError, where: _Located, prefix: Loc) -> li
     return out
 
 
+_BRIEF = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict = 2, 4, 4
+_BRIEF.maxstring = _BRIEF.maxother = 60
+
+
+def _brief_repr(value: Any) -> str:
+    """A value in a message, cut short: a YAML alias of aliases is a list of 10^9 items whose
+    full repr would take minutes and gigabytes."""
+    return _BRIEF.repr(value)
+
+
 def _validate_slot(slot: str, section: Any, loc: Loc, where: _Located, problems: list[str]) -> Any:
     if not isinstance(section, dict):
-        problems.append(where.problem(loc, f"expected a mapping with a 'kind', got {section!r}"))
+        problems.append(
+            where.problem(loc, f"expected a mapping with a 'kind', got {_brief_repr(section)}")
+        )
         return None
     kind = section.get("kind")
     if kind is not None and not isinstance(kind, str):
-        problems.append(where.problem((*loc, "kind"), f"expected a kind's name, got {kind!r}"))
+        problems.append(
+            where.problem((*loc, "kind"), f"expected a kind's name, got {_brief_repr(kind)}")
+        )
         return None
     if not isinstance(kind, str):
-        problems.append(
-            where.problem(
-                (*loc, "kind"), f"missing 'kind' (installed: {registry.describe_installed(slot)})"
-            )
-        )
+        problems.append(where.problem((*loc, "kind"), registry.missing_kind_message(slot)))
         return None
     try:
         cls = registry.load_kind(slot, kind)
@@ -339,7 +351,9 @@ def loads_recipe(
     if defaults is not None and not (
         isinstance(defaults, dict) and all(isinstance(v, dict | list) for v in defaults.values())
     ):
-        raise RecipeError(f"defaults: expected recipe sections by slot, got {defaults!r}")
+        raise RecipeError(
+            f"defaults: expected recipe sections by slot, got {_brief_repr(defaults)}"
+        )
     if isinstance(data, dict):
         filled = frozenset(  # mapping sections only: a list slot (stop) is the user's whole
             slot

@@ -153,11 +153,11 @@ def _cache_name(recipe: TrainRecipe, by_content: bool) -> str:
         del data["self_prompt_starts"]  # (the folder of free-only data keeps its old name)
     if by_content:
         for spec in data["prompts"]:
-            spec["path"] = {"sha256": _file_digest(Path(spec["path"]))}
+            spec["path"] = {"sha256": file_digest(Path(spec["path"]))}
     return _digest({"data": data, "target": _target_id(recipe)})[:16]
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     from dspark_flow.models.embedded import file_sha256
 
     try:

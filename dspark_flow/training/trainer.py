@@ -69,21 +69,14 @@ def recipe_key(recipe: TrainRecipe) -> str:
         data["train"].pop(k)
     # Where files are is no part of it (a moved checkout resumes): prompt files by content,
     # the warm start by its weights' digest (checked on resume: _check_same_source).
+    from dspark_flow.training.data import file_digest
+
     for spec in data["data"]["prompts"]:
-        spec["path"] = _content_id(Path(spec["path"]))
+        spec["path"] = file_digest(Path(spec["path"]))
     data["data"].pop("cache_dir", None)
     data["train"]["init_from"] = bool(data["train"].get("init_from"))
     data["trainer"] = TRAINER_VERSION  # a checkpoint of another optimizer does not resume
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _content_id(path: Path) -> str:
-    from dspark_flow.models.embedded import file_sha256
-
-    try:
-        return file_sha256(path)
-    except OSError:  # gone since validation: its path, as before
-        return str(path)
 
 
 def training_weight_format(requested: str) -> str:

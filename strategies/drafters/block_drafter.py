@@ -63,7 +63,6 @@ class PromptLookup(NgramSearch):
 _OFF_WORDS = Literal["none", "null", "off"]
 _QUANTIZE_INPUT = Literal["auto", 4, 8] | _OFF_WORDS | None
 _LOOKUP_INPUT = PromptLookup | bool | _OFF_WORDS | None
-_VOCAB_INPUT = int | Literal[False] | _OFF_WORDS | None
 
 
 class BlockDrafterConfig(StrategyConfig):
@@ -136,7 +135,9 @@ class BlockDrafterConfig(StrategyConfig):
             return None
         return value
 
-    @field_validator("draft_vocab", mode="before", json_schema_input_type=_VOCAB_INPUT)
+    # (No input type for the schema here: it would lose the minimum of 1 there, pydantic 2.13;
+    # the schema offers a count or null, the tool also takes the off words.)
+    @field_validator("draft_vocab", mode="before")
     @classmethod
     def _vocab_off(cls, value: Any) -> Any:
         # YAML reads `off`/`no` as false; `none` is a string. Each means the full vocabulary.
