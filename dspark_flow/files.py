@@ -36,11 +36,11 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], durable: bool
         Path(tmp).unlink(missing_ok=True)
         raise
     if durable:
-        _sync_folder(path.parent)
+        sync_folder(path.parent)
     return path
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """Flush a folder's entries (a rename) to disk where the system allows it (POSIX)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -52,6 +52,19 @@ def _sync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sync_files(folder: Path) -> None:
+    """Flush every file in `folder`, then its entries, to disk: a folder written whole and then
+    renamed into place (a checkpoint) survives a power cut as well as a crash."""
+    for entry in sorted(Path(folder).iterdir()):
+        if entry.is_file():
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    sync_folder(Path(folder))
 
 
 def write_text_atomic(text: str, path: Path, durable: bool = False) -> Path:

@@ -42,3 +42,25 @@ def test_a_missing_folder_is_an_oserror_not_a_partial_file(tmp_path: Path) -> No
     with pytest.raises(OSError):
         write_text_atomic("x", tmp_path / "absent" / "f.json")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors via /proc")
+def test_a_folder_synced_whole_flushes_each_file_and_then_the_folder(tmp_path, monkeypatch):
+    """What a checkpoint does before its rename: every file's data, then the folder's entries."""
+    import os
+
+    from dspark_flow import files
+
+    for name in ("weights.safetensors", "trainer.json"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "sub").mkdir()
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    files.sync_files(tmp_path)
+    assert [Path(p).name for p in synced] == ["trainer.json", "weights.safetensors", tmp_path.name]
