@@ -6,7 +6,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 # The process's umask, read once at import (reading it means setting it: not thread-safe later).
 _UMASK = os.umask(0o022)
@@ -65,6 +65,18 @@ def sync_files(folder: Path) -> None:
             finally:
                 os.close(fd)
     sync_folder(Path(folder))
+
+
+def acquire_saying_why(lock: Any, on_wait: Callable[[], object]) -> None:
+    """Take a filelock `lock`; when another process still holds it after a second, call
+    `on_wait` (to say why this one waits) and wait on."""
+    from filelock import Timeout  # a huggingface_hub dependency, so always present
+
+    try:
+        lock.acquire(timeout=1)
+    except Timeout:
+        on_wait()
+        lock.acquire()
 
 
 def write_text_atomic(text: str, path: Path, durable: bool = False) -> Path:

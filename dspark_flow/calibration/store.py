@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_flow.calibration.curves import Curves
-from dspark_flow.files import write_text_atomic
+from dspark_flow.files import acquire_saying_why, write_text_atomic
 from dspark_flow.log import get_logger
 
 log = get_logger()
@@ -292,17 +292,16 @@ class CurveStore:
         (the cache folder keeps only curves); where none can be taken, measure without it."""
         import tempfile
 
-        from filelock import FileLock, Timeout  # a huggingface_hub dependency, always present
+        from filelock import FileLock  # a huggingface_hub dependency, so always present
 
         name = f"dspark-flow-calibrating-{self.path_for(key).stem}.lock"
         lock = FileLock(str(Path(tempfile.gettempdir()) / name))
         held = True
         try:
-            try:
-                lock.acquire(timeout=1)
-            except Timeout:
-                log.info("waiting for another process measuring the same curves", lock=name)
-                lock.acquire()
+            acquire_saying_why(
+                lock,
+                lambda: log.info("waiting for another process measuring the curves", lock=name),
+            )
         except (OSError, NotImplementedError):  # no locking there (e.g. flock on some NFS)
             held = False
         try:

@@ -114,12 +114,11 @@ def _check_against_target_on_disk(recipe: Any) -> None:
     path: Path | None = None
     if ref.startswith(BUILTIN_PREFIX):
         name = ref[len(BUILTIN_PREFIX) :]
-        if name in embedded.BUILTIN_MODELS and embedded.is_built(name):
-            path = embedded.cache_root() / "models" / name
+        path = embedded.built_dir(name) if name in embedded.BUILTIN_MODELS else None
     else:
         try:
-            local = Path(ref).expanduser()
-        except RuntimeError:  # ~someone unknown here: the run names it
+            local = embedded.expanded_path(ref, "target.model")
+        except ModelError:  # ~someone unknown here: the run names it
             local = None
         path = local if local is not None and local.is_dir() else None
     if path is None:

@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dspark_flow.errors import ModelError
-from dspark_flow.files import write_text_atomic
+from dspark_flow.files import acquire_saying_why, write_text_atomic
 
 # Data, not code: add a model by adding an entry. Hashes pin the exact bytes we convert.
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
@@ -47,20 +47,22 @@ _CHUNK = 1 << 20
 def cache_root() -> Path:
     """$DSPARK_FLOW_HOME, else $XDG_CACHE_HOME/dspark-flow, else ~/.cache/dspark-flow."""
     if home := os.environ.get("DSPARK_FLOW_HOME"):
-        return _expanded(home, "DSPARK_FLOW_HOME")
+        return expanded_path(home, "DSPARK_FLOW_HOME")
     if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return _expanded(xdg, "XDG_CACHE_HOME") / "dspark-flow"
-    return _expanded("~", "the home directory") / ".cache" / "dspark-flow"
+        return expanded_path(xdg, "XDG_CACHE_HOME") / "dspark-flow"
+    return expanded_path("~", "the home directory") / ".cache" / "dspark-flow"
 
 
 def cache_subdir(env: str, name: str) -> Path:
     """$`env` if set, else `cache_root()/name`: a cache that can live apart from the models."""
     if given := os.environ.get(env):
-        return _expanded(given, env)
+        return expanded_path(given, env)
     return cache_root() / name
 
 
-def _expanded(path: str, what: str) -> Path:
+def expanded_path(path: str, what: str) -> Path:
+    """`path` with its ~ expanded; a ~ that names no user here (or no home) is a ModelError
+    naming `what`, not a RuntimeError."""
     try:
         return Path(path).expanduser()
     except RuntimeError:  # ~someone who is not a user here, or no home at all
@@ -75,9 +77,10 @@ def _spec(name: str) -> dict[str, Any]:
     return BUILTIN_MODELS[name]
 
 
-def is_built(name: str) -> bool:
-    """Whether the built-in model `name` is converted and whole in the cache (no work to do)."""
-    return _is_complete(cache_root() / "models" / name, _spec(name))
+def built_dir(name: str) -> Path | None:
+    """The built-in model `name`'s folder when it is converted and whole (no work to do)."""
+    target = cache_root() / "models" / name
+    return target if _is_complete(target, _spec(name)) else None
 
 
 def _is_complete(target: Path, spec: dict[str, Any]) -> bool:
@@ -253,7 +256,7 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
     atomic rename with its marker already inside) and against failures (the work dir is
     always removed, so the cache holds either a complete model or nothing).
     """
-    from filelock import FileLock, Timeout  # a huggingface_hub dependency, so always present
+    from filelock import FileLock  # a huggingface_hub dependency, so always present
 
     from dspark_flow.models.gguf import convert_gguf
 
@@ -263,12 +266,12 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
         return target
     models = _writable_dir(target.parent)
     lock = FileLock(str(models / f".{name}.lock"))
-    try:
-        lock.acquire(timeout=1)
-    except Timeout:  # another process is building it: say why this one waits
+
+    def waiting() -> None:  # another process is building it
         if progress:
             print(f"dspark-flow: waiting for another process building {name!r}", file=sys.stderr)
-        lock.acquire()
+
+    acquire_saying_why(lock, waiting)
     try:
         if _is_complete(target, spec):  # another process finished while we waited
             return target

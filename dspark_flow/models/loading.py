@@ -173,10 +173,9 @@ def resolve_model_path(ref: str, revision: str | None = None) -> Path:
         from dspark_flow.models.embedded import ensure_builtin
 
         return ensure_builtin(name)
-    try:
-        local = Path(ref).expanduser()
-    except RuntimeError:  # ~someone who is not a user here
-        raise ModelError(f"model path {ref!r}: cannot expand its ~ (no such user)") from None
+    from dspark_flow.models.embedded import expanded_path
+
+    local = expanded_path(ref, "model path")
     if local.exists():
         if revision is not None:  # a local copy is what it is; a folder named like a repo id
             log.warning("revision ignored for a local directory", path=ref, revision=revision)

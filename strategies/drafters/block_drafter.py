@@ -61,7 +61,8 @@ class PromptLookup(NgramSearch):
 # What the before-validators below also accept, for the recipe's JSON Schema (editors would
 # flag a shipped recipe's `prompt_lookup: true` otherwise).
 _OFF_WORDS = Literal["none", "null", "off"]
-_QUANTIZE_INPUT = Literal["auto", 4, 8] | _OFF_WORDS | None
+QuantizeChoice = Literal["auto", 4, 8]
+_QUANTIZE_INPUT = QuantizeChoice | _OFF_WORDS | None
 _LOOKUP_INPUT = PromptLookup | bool | _OFF_WORDS | None
 
 
@@ -75,7 +76,7 @@ class BlockDrafterConfig(StrategyConfig):
         "the drafter table (dspark_flow/data/drafters.json)",
     )
     revision: str | None = Field(None, description="hub revision of the checkpoint to pin")
-    quantize: Literal["auto", 4, 8] | None = Field(
+    quantize: QuantizeChoice | None = Field(
         "auto",
         description="quantize a float checkpoint's matrices to 4 or 8 bits at load (null: keep "
         "float); auto = 4 on GPU backends, none on the CPU backend. A checkpoint stored "
