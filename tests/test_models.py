@@ -479,6 +479,48 @@ def test_resolve_hub_offline(monkeypatch):
             resolve_model_path(empty)
 
 
+def test_a_stalled_hub_ends_in_a_clear_error_not_a_hang(tmp_path):
+    """huggingface_hub's shared client has no timeout: snapshot_download against an endpoint
+    that accepts and never answers waited forever. The loader asks first within the hub's
+    metadata timeout (HF_HUB_ETAG_TIMEOUT). The endpoint is read at import: a subprocess."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []  # accepted, never answered
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    env |= {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.getsockname()[1]}",
+        "HF_HUB_ETAG_TIMEOUT": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    code = "from dspark_flow import load_target; load_target('acme/stalled-model')"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "did not answer about 'acme/stalled-model' within 1 s (HF_HUB_ETAG_TIMEOUT)" in last
+
+
 def test_a_name_that_is_no_repo_id_nor_a_folder_and_an_unexpandable_home_are_named(monkeypatch):
     # A mistyped local path in org/name form used to read "offline or unreachable".
     with pytest.raises(ModelError, match="'a--b/c' is neither a local directory nor a valid hub"):

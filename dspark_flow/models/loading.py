@@ -118,11 +118,29 @@ def _hub_offline() -> bool:
     return _offline_variable() is not None
 
 
+def _hub_timeout() -> float:
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
+
+
+def _ask_hub(repo_id: str, revision: str | None) -> None:
+    """Ask the hub about the repo, within its metadata timeout. snapshot_download's own first
+    request goes through a client with no timeout, so a stalled endpoint or proxy hung the
+    load; asked first with one, a stall ends in a clear error (and a reply is cached by the
+    connection for the download's own request)."""
+    from huggingface_hub import HfApi
+
+    HfApi().repo_info(repo_id, revision=revision, timeout=_hub_timeout())
+
+
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     offline = _hub_offline()
     try:
+        if not offline:
+            _ask_hub(repo_id, revision)
         path = snapshot_download(
             repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
         )
@@ -137,6 +155,12 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             raise ModelError(
                 f"could not fetch {repo_id!r} from the Hugging Face hub: {kind} "
                 "(check the name/revision, or log in with `hf auth login` for gated repos)"
+            ) from e
+        if "Timeout" in kind:
+            raise ModelError(
+                f"the Hugging Face hub did not answer about {repo_id!r} within "
+                f"{_hub_timeout():g} s (HF_HUB_ETAG_TIMEOUT): check the network or proxy, or "
+                "set HF_HUB_OFFLINE=1 with the model in the local HF cache"
             ) from e
         if offline:
             raise ModelError(
