@@ -328,10 +328,19 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         # states the data and settings the producing calls used.
         other = recipe.model_copy(deep=True)
         other.data.self_prompts, other.train.lr = 123, 0.5
+        other.drafter.num_layers = recipe.drafter.num_layers + 2
+        other.export.quantize, other.data.temperature = 8, 0.7
+        other.data.prompts = other.data.prompts[:0]
         write_card(other, tmp_path / "drafter")
         text = (tmp_path / "drafter" / "README.md").read_text()
         assert "plus 0 prompts it wrote itself" in text
         assert f"AdamW lr {recipe.train.lr} " in text and "lr 0.5" not in text
+        assert "float32 weights and state, bias-corrected)" in text
+        assert "Trained before 2026-12-04" not in text  # (said of records that lack the dtype)
+        assert f"{recipe.drafter.num_layers} layers, block" in text
+        assert "Shipped unquantized (bfloat16)" in text  # (the spec exports floats)
+        assert f"at temperature {recipe.data.temperature} " in text
+        assert f"- `{Path(recipe.data.prompts[0].path).name}`" in text
         # Starting over (--fresh) and pausing again: the new run's record forgets the old
         # drafter's export, and the exported drafter's own record is left as it was.
         third = run_training(recipe, stages=stages, progress=False, time_limit=0.0, fresh=True)

@@ -38,6 +38,24 @@ CARD_TRAIN_SETTINGS = {
     "warmup_steps",
     "min_lr_ratio",
     "grad_clip",
+    "dtype",
+    "bias_correction",
+}
+# Records from before 2026-12-04 lack the optimizer's dtype: a GPU trained in bfloat16 then.
+LEGACY_OPTIMIZER_NOTE = (
+    "Trained before 2026-12-04, when the trainer kept a GPU's drafter weights and AdamW state "
+    "in bfloat16 without bias correction: add `--set train.dtype=bfloat16 --set "
+    "train.bias_correction=false` to each `train` command below to reproduce these weights "
+    "(without them the commands train with float32 state and bias-corrected AdamW; "
+    "docs/training.md)."
+)
+# The data settings the model card states, recorded by the call that makes the data.
+CARD_DATA_SETTINGS = {
+    "prompts",
+    "temperature",
+    "max_new_tokens",
+    "self_prompt_temperature",
+    "self_prompt_starts",
 }
 SUMMARY = "train_summary.json"
 # What an evaluation adds to a summary (figures that belong to the weights evaluated)
@@ -200,6 +218,7 @@ def _data_stage(
         # The card is written again by later calls (eval, export), whose --set overrides may
         # differ: it reads what made the data and the drafter from here.
         "self_prompts": recipe.data.self_prompts,
+        "settings": recipe.data.model_dump(mode="json", include=CARD_DATA_SETTINGS),
         "samples": len(samples),
         "tokens": int(sum(len(s.tokens) for s in samples)),
         "answer_tokens": int(sum(len(s.tokens) - s.prompt_len for s in samples)),
@@ -253,6 +272,7 @@ def _train_stage(
         "device": summary["device"],
         "command": summary["command"],
         "settings": recipe.train.model_dump(mode="json", include=CARD_TRAIN_SETTINGS),
+        "drafter": recipe.drafter.model_dump(mode="json"),  # the checkpoints' architecture
     }
     if trainer.started_from:
         summary["train"]["init_from"] = trainer.started_from
@@ -290,6 +310,7 @@ def _export_stage(
     if trainer.model is None:
         trainer.warm_up(target, tok)
     summary["exported_step"] = trainer.load_weights_from()
+    summary["export"] = recipe.export.model_dump(mode="json")
     # Export replaces the directory: keep the draft vocabulary (recounted after it if it can be).
     kept = (out / VOCAB_FILE).read_bytes() if (out / VOCAB_FILE).is_file() else None
     trainer.export(work_dir(recipe) / "float", quantize=None)
@@ -465,19 +486,36 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
 
     summary = json.loads((out / SUMMARY).read_text())
     prev = out / "README.md"
-    d, a = recipe.data, recipe.drafter
-    files = "\n".join(
-        f"- `{Path(p.path).name}`"
-        + (f" lines {p.lines}" if p.lines else "")
-        + (f" (at most {p.limit})" if p.limit else "")
-        for p in d.prompts
-    )
     data = summary.get("data") or {}
     train = summary.get("train") or {}
     ev = summary.get("eval") or {}
-    # What the producing calls recorded wins over this call's recipe (its overrides may differ).
-    self_prompts = data.get("self_prompts", d.self_prompts)
+    # What the producing calls recorded wins over this call's recipe (its overrides may differ;
+    # records written before a setting was recorded fall back to the recipe).
+    self_prompts = data.get("self_prompts", recipe.data.self_prompts)
+    d = recipe.data.model_copy(update=data.get("settings") or {})
+    a = recipe.drafter.model_copy(update=train.get("drafter") or {})
     t = recipe.train.model_copy(update=train.get("settings") or {})
+    x = recipe.export.model_copy(update=summary.get("export") or {})
+    recorded = train.get("settings") or {}
+    legacy = bool(train.get("steps")) and "bias_correction" not in recorded
+    optimizer = (
+        ""
+        if legacy
+        else f"; {'float32' if t.dtype == 'auto' else t.dtype} weights and state, "
+        + ("bias-corrected" if t.bias_correction else "no bias correction")
+    )
+    shipped_as = (
+        f"Shipped with matrices at {x.quantize}-bit (group {x.group_size}), "
+        if x.quantize
+        else f"Shipped unquantized ({x.dtype}), "
+    ) + f"{summary.get('size_mb', '?')} MB."
+    prompts = [p if isinstance(p, dict) else p.model_dump(mode="json") for p in d.prompts]
+    files = "\n".join(
+        f"- `{Path(p['path']).name}`"
+        + (f" lines {p['lines']}" if p.get("lines") else "")
+        + (f" (at most {p['limit']})" if p.get("limit") else "")
+        for p in prompts
+    )
     parts = [
         f"# {recipe.name}",
         "",
@@ -486,8 +524,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         "## Architecture",
         f"{a.num_layers} layers, block {a.block_size} ({a.drafts_per_round} drafts per round), taps at target layers "
         f"{a.target_layer_ids}, Markov rank {a.markov_rank}, confidence head {'on' if a.confidence_head else 'off'}. "
-        f"Shipped with matrices at {recipe.export.quantize or 'full'}-bit (group {recipe.export.group_size}), "
-        f"{summary.get('size_mb', '?')} MB.",
+        + shipped_as,
         "",
         "## Data (self-distilled)",
         f"The target answered these prompts with its own chat template at temperature {d.temperature} "
@@ -500,7 +537,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         "## Training",
         f"{train.get('steps', '?')} steps of {t.batch_size} sequences x {t.anchors_per_seq} blocks "
         f"(sequence length {t.seq_len}), AdamW lr {t.lr} (warmup {t.warmup_steps}, cosine "
-        f"to {t.min_lr_ratio}x), clip {t.grad_clip}; {train.get('seconds', '?')} s on {train.get('device', '?')}.",
+        f"to {t.min_lr_ratio}x{optimizer}), clip {t.grad_clip}; {train.get('seconds', '?')} s on {train.get('device', '?')}.",
         *_lineage(train.get("init_from")),
         "",
         "## Acceptance (greedy, full block, held-out prompts, the product's own loop)",
@@ -521,7 +558,10 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
             f"answer tokens ({vocab.get('distinct', '?')} distinct); share of them in the top N: "
             f"{cover}. Drafter setting `draft_vocab: N` drafts among the top N only (lossless).",
         ]
-    parts += ["", "## Reproduce", "```"]
+    parts += ["", "## Reproduce"]
+    if legacy:
+        parts.append(LEGACY_OPTIMIZER_NOTE)
+    parts.append("```")
     parts.append(train.get("command") or f"dspark-flow train {shlex.quote(recipe.name)}.yaml")
     if summary.get("eval_command") and summary.get("eval_command") != train.get("command"):
         parts.append(summary["eval_command"])
