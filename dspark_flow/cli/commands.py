@@ -194,15 +194,26 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _models_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["pull", "path"], help="pull: fetch and convert; path: print")
+    p.add_argument(
+        "action",
+        choices=["pull", "path"],
+        help="pull: fetch and convert; path: print its folder (fetched and converted first, "
+        "with progress on stderr, when absent)",
+    )
     p.add_argument("name", nargs="?", default="smollm2-135m", help="built-in model name")
 
 
 def _models(args: argparse.Namespace) -> int:
-    from dspark_flow.models.embedded import ensure_builtin
+    from dspark_flow.models.embedded import BUILTIN_MODELS, built_dir, ensure_builtin
 
     name = args.name.removeprefix("builtin:")
-    path = ensure_builtin(name, progress=args.action == "pull")
+    # `path` of a model not built yet builds it (minutes): said on stderr, stdout stays the path
+    absent = name in BUILTIN_MODELS and built_dir(name) is None
+    if args.action == "path" and absent:
+        print(
+            f"builtin:{name} is not converted here yet: fetching and converting it", file=sys.stderr
+        )
+    path = ensure_builtin(name, progress=args.action == "pull" or absent)
     print(path)
     return 0
 
