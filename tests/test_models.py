@@ -500,10 +500,13 @@ def test_resolve_hub_offline(monkeypatch):
             resolve_model_path(empty)
 
 
-def test_a_stalled_hub_ends_in_a_clear_error_not_a_hang(tmp_path):
+def test_a_stalled_hub_ends_in_a_clear_error_not_a_hang_and_a_cached_copy_still_loads(
+    model_dir, tmp_path
+):
     """huggingface_hub's shared client has no timeout: snapshot_download against an endpoint
     that accepts and never answers waited forever. The loader asks first within the hub's
-    metadata timeout (HF_HUB_ETAG_TIMEOUT). The endpoint is read at import: a subprocess."""
+    metadata timeout (HF_HUB_ETAG_TIMEOUT); as snapshot_download does when the hub is down,
+    a copy in the local HF cache is used then. The endpoint is read at import: subprocesses."""
     import socket
     import threading
 
@@ -528,18 +531,31 @@ def test_a_stalled_hub_ends_in_a_clear_error_not_a_hang(tmp_path):
         "HF_HUB_ETAG_TIMEOUT": "1",
         "HF_HOME": str(tmp_path / "hf"),
     }
-    code = "from dspark_flow import load_target; load_target('acme/stalled-model')"
-    try:
-        r = subprocess.run(
+    # acme/cached-model sits in the HF cache as a download leaves it (refs/main -> snapshot)
+    repo = tmp_path / "hf" / "hub" / "models--acme--cached-model"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(model_dir, repo / "snapshots" / commit, symlinks=True)
+
+    def load(name: str) -> subprocess.CompletedProcess[str]:
+        code = f"from dspark_flow import load_target; m, t = load_target({name!r}); print(m.model_type)"
+        return subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
         )
+
+    try:
+        stalled, cached = load("acme/stalled-model"), load("acme/cached-model")
     finally:
         server.close()
         for conn in held:
             conn.close()
-    assert r.returncode != 0
-    last = r.stderr.strip().splitlines()[-1]
+    assert stalled.returncode != 0
+    last = stalled.stderr.strip().splitlines()[-1]
     assert "did not answer about 'acme/stalled-model' within 1 s (HF_HUB_ETAG_TIMEOUT)" in last
+    assert cached.returncode == 0, cached.stderr[-500:]
+    assert cached.stdout.strip().splitlines()[-1] == "llama"
+    assert "did not answer: using the local cache" in cached.stderr
 
 
 def test_a_name_that_is_no_repo_id_nor_a_folder_and_an_unexpandable_home_are_named(monkeypatch):

@@ -124,14 +124,33 @@ def _hub_timeout() -> float:
     return float(constants.HF_HUB_ETAG_TIMEOUT)
 
 
-def _ask_hub(repo_id: str, revision: str | None) -> None:
-    """Ask the hub about the repo, within its metadata timeout. snapshot_download's own first
+def _cached_snapshot_if_unreachable(repo_id: str, revision: str | None) -> str | None:
+    """Ask the hub about the repo within its metadata timeout: snapshot_download's own first
     request goes through a client with no timeout, so a stalled endpoint or proxy hung the
-    load; asked first with one, a stall ends in a clear error (and a reply is cached by the
-    connection for the download's own request)."""
-    from huggingface_hub import HfApi
+    load. None when the hub answered (snapshot_download then fetches as usual). When it did
+    not, or refused, the local cache decides as snapshot_download's own fallback does: the
+    cached snapshot's folder, else the hub's error is raised (a stall as a timeout)."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import HFValidationError, RevisionNotFoundError
 
-    HfApi().repo_info(repo_id, revision=revision, timeout=_hub_timeout())
+    try:
+        HfApi().repo_info(repo_id, revision=revision, timeout=_hub_timeout())
+        return None
+    except (HFValidationError, RevisionNotFoundError):  # no cached copy makes these right
+        raise
+    except Exception as asked:
+        try:
+            path = snapshot_download(
+                repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True
+            )
+        except Exception:
+            raise asked from None
+        log.warning(
+            "the Hugging Face hub did not answer: using the local cache",
+            repo=repo_id,
+            error=type(asked).__name__,
+        )
+        return str(path)
 
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:
@@ -139,11 +158,11 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 
     offline = _hub_offline()
     try:
-        if not offline:
-            _ask_hub(repo_id, revision)
-        path = snapshot_download(
-            repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
-        )
+        path = _cached_snapshot_if_unreachable(repo_id, revision) if not offline else None
+        if path is None:
+            path = snapshot_download(
+                repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
+            )
     except Exception as e:  # hub errors come from requests/httpx/hf_hub: all mean "can't get it"
         kind = type(e).__name__
         if kind == "HFValidationError":  # not a repo id: most often a mistyped local path
