@@ -459,12 +459,20 @@ def test_a_boolean_for_a_number_and_a_kind_that_is_no_name(tmp_path, capsys):
         ("draft_cap: {kind: fixed, k: true}", "draft_cap: k: expected a number, got true"),
         ("sampler: {kind: sample, temperature: false}", "sampler: temperature: expected a number"),
         ("drafter: {kind: 3}", "drafter.kind: expected a kind's name, got 3"),
+        # a bool for a Literal of ints, a number for a bool, text for an integer: read as 1,
+        # true and 3 before
+        ("version: true", "version: expected a number, got true"),
+        ("prompt: {chat: 1}", "chat: expected true or false, got 1"),
+        ("draft_cap: {kind: fixed, k: '3'}", "draft_cap: k: expected a number, got the text '3'"),
     ]:
         recipe = tmp_path / "r.yaml"
-        recipe.write_text(f"version: 1\n{section}\n")
+        recipe.write_text(section if section.startswith("version") else f"version: 1\n{section}\n")
         assert main(["validate", str(recipe)]) == 2
         assert message in _one_error_line(capsys)
     recipe.write_text("version: 1\nverifier: {kind: kernels, invariant: true}\n")  # real bools pass
+    assert main(["validate", str(recipe)]) == 0
+    # a float written as YAML 1.1 reads it (no dot: text) still passes
+    recipe.write_text("version: 1\nsampler: {kind: sample, temperature: 7e-1}\n")
     assert main(["validate", str(recipe)]) == 0
 
 

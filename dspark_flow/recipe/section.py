@@ -3,7 +3,7 @@ recipes): what YAML lets through but a user never means is an error, not a silen
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -12,6 +12,32 @@ def _numbers_only(annotation: Any) -> bool:
     """An int or float field (optional or not) that takes no bool."""
     options = get_args(annotation) or (annotation,)
     return bool not in options and any(t in (int, float) for t in options)
+
+
+def _options(annotation: Any) -> tuple[Any, ...]:
+    """An annotation's alternatives, None dropped, Literal values expanded."""
+    out: list[Any] = []
+    for option in get_args(annotation) if get_origin(annotation) is not Literal else (annotation,):
+        if option is type(None):
+            continue
+        out.extend(get_args(option) if get_origin(option) is Literal else [option])
+    return tuple(out) if get_args(annotation) else (annotation,)
+
+
+def _integers_strictly(annotation: Any) -> bool:
+    """A field whose every alternative is an integer (int, a Literal of ints): text there is a
+    slip (`limit: "10"`), and so is a bool (`version: true` matched Literal[1]). Float fields
+    keep reading text: PyYAML reads `1e-3` (no dot) as text, and pydantic parses it right."""
+    options = _options(annotation)
+    return bool(options) and all(
+        (isinstance(t, int) and not isinstance(t, bool)) or t is int for t in options
+    )
+
+
+def _bool_only(annotation: Any) -> bool:
+    """A bool field (optional or not): pydantic reads 1, "yes" and "on" as true there."""
+    options = _options(annotation)
+    return bool(options) and all(t is bool for t in options)
 
 
 def _number_items(annotation: Any) -> bool:
@@ -57,8 +83,17 @@ class Section(BaseModel):
                 if name in cls.BOOLEAN_WORDS or field is None:
                     continue
                 _check_utf8(name, value)
-                if isinstance(value, bool) and _numbers_only(field.annotation):
+                strict = _integers_strictly(field.annotation)
+                if isinstance(value, bool) and (strict or _numbers_only(field.annotation)):
                     raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+                if isinstance(value, str) and strict:
+                    raise ValueError(f"{name}: expected a number, got the text {value!r}")
+                if (
+                    value is not None
+                    and not isinstance(value, bool)
+                    and _bool_only(field.annotation)
+                ):
+                    raise ValueError(f"{name}: expected true or false, got {value!r}")
                 if isinstance(value, (list, tuple)) and _number_items(field.annotation):
                     for i, item in enumerate(value):
                         if isinstance(item, bool):
