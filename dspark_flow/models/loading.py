@@ -131,7 +131,7 @@ def _cached_snapshot_if_unreachable(repo_id: str, revision: str | None) -> str |
     not, or refused, the local cache decides as snapshot_download's own fallback does: the
     cached snapshot's folder, else the hub's error is raised (a stall as a timeout)."""
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import HFValidationError, RevisionNotFoundError
+    from huggingface_hub.utils import HFValidationError, RevisionNotFoundError  # (0.24 to 2.x)
 
     try:
         HfApi().repo_info(repo_id, revision=revision, timeout=_hub_timeout())
@@ -146,9 +146,8 @@ def _cached_snapshot_if_unreachable(repo_id: str, revision: str | None) -> str |
         except Exception:
             raise asked from None
         log.warning(
-            "the Hugging Face hub did not answer: using the local cache",
+            f"could not ask the Hugging Face hub ({type(asked).__name__}): using the local cache",
             repo=repo_id,
-            error=type(asked).__name__,
         )
         return str(path)
 
