@@ -336,7 +336,24 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
         assert "plus 0 prompts it wrote itself" in text
         assert f"AdamW lr {recipe.train.lr} " in text and "lr 0.5" not in text
         assert "float32 weights and state, bias-corrected)" in text
-        assert "Trained before 2026-12-04" not in text  # (said of records that lack the dtype)
+        assert "settings were not recorded" not in text  # (said of records that lack them)
+        # A record from before the optimizer and export settings were recorded (the shipped
+        # drafters'): the card says how to reproduce the old optimizer on the device it names,
+        # and reads the export format from config.json, not from this call's overrides.
+        legacy = tmp_path / "legacy"
+        shutil.copytree(tmp_path / "drafter", legacy)
+        record = json.loads((legacy / "train_summary.json").read_text())
+        for key in ("dtype", "bias_correction"):
+            del record["train"]["settings"][key]
+        del record["export"]
+        (legacy / "train_summary.json").write_text(json.dumps(record))
+        write_card(other, legacy)
+        text = (legacy / "README.md").read_text()
+        assert record["train"]["device"].startswith("cpu")
+        assert (
+            "settings were not recorded" in text and "`--set train.bias_correction=false`" in text
+        )
+        assert "train.dtype=bfloat16" not in text and "Shipped unquantized" in text
         assert f"{recipe.drafter.num_layers} layers, block" in text
         assert "Shipped unquantized (bfloat16)" in text  # (the spec exports floats)
         assert f"at temperature {recipe.data.temperature} " in text

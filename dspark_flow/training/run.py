@@ -41,14 +41,31 @@ CARD_TRAIN_SETTINGS = {
     "dtype",
     "bias_correction",
 }
-# Records from before 2026-12-04 lack the optimizer's dtype: a GPU trained in bfloat16 then.
-LEGACY_OPTIMIZER_NOTE = (
-    "Trained before 2026-12-04, when the trainer kept a GPU's drafter weights and AdamW state "
-    "in bfloat16 without bias correction: add `--set train.dtype=bfloat16 --set "
-    "train.bias_correction=false` to each `train` command below to reproduce these weights "
-    "(without them the commands train with float32 state and bias-corrected AdamW; "
-    "docs/training.md)."
-)
+
+
+def legacy_optimizer_note(device: str) -> str:
+    """For weights whose record lacks the optimizer's settings (recorded since 2026-12-04):
+    before commit 2e18193 (2026-12-04 11:05 UTC) AdamW had no bias correction, and a GPU kept
+    the weights and state in bfloat16 (a CPU in float32)."""
+    gpu = not device.startswith("cpu")
+    sets = (
+        "--set train.dtype=bfloat16 --set train.bias_correction=false"
+        if gpu
+        else ("--set train.bias_correction=false")
+    )
+    then = (
+        "a GPU kept the drafter's weights and AdamW state in bfloat16, without bias correction"
+        if gpu
+        else "AdamW ran without bias correction"
+    )
+    return (
+        "The optimizer's settings were not recorded with these weights. If they were trained "
+        f"before 2026-12-04 11:05 UTC (commit 2e18193), when {then}, add `{sets}` to each "
+        "`train` command below to reproduce them (without it the commands train with float32 "
+        "state and bias-corrected AdamW; docs/training.md)."
+    )
+
+
 # The data settings the model card states, recorded by the call that makes the data.
 CARD_DATA_SETTINGS = {
     "prompts",
@@ -479,6 +496,20 @@ def _lineage(start: dict[str, Any] | None) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def _export_from_config(out: Path) -> dict[str, Any]:
+    """The export format as the drafter's config.json states it (records from before the
+    export settings were recorded); {} when there is no readable config."""
+    from dspark_flow.training.data import read_json_object
+
+    config = read_json_object(out / "config.json")
+    if not config:
+        return {}
+    q = config.get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        return {"quantize": q["bits"], "group_size": q.get("group_size", 64)}
+    return {"quantize": None}
+
+
 def write_card(recipe: TrainRecipe, out: Path) -> None:
     """The model card (README.md) from out/train_summary.json: what was trained, on what, how
     long, and what it reaches."""
@@ -495,7 +526,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
     d = recipe.data.model_copy(update=data.get("settings") or {})
     a = recipe.drafter.model_copy(update=train.get("drafter") or {})
     t = recipe.train.model_copy(update=train.get("settings") or {})
-    x = recipe.export.model_copy(update=summary.get("export") or {})
+    x = recipe.export.model_copy(update=summary.get("export") or _export_from_config(out))
     recorded = train.get("settings") or {}
     legacy = bool(train.get("steps")) and "bias_correction" not in recorded
     optimizer = (
@@ -560,7 +591,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         ]
     parts += ["", "## Reproduce"]
     if legacy:
-        parts.append(LEGACY_OPTIMIZER_NOTE)
+        parts.append(legacy_optimizer_note(str(train.get("device", ""))))
     parts.append("```")
     parts.append(train.get("command") or f"dspark-flow train {shlex.quote(recipe.name)}.yaml")
     if summary.get("eval_command") and summary.get("eval_command") != train.get("command"):
