@@ -40,6 +40,26 @@ def _bool_only(annotation: Any) -> bool:
     return bool(options) and all(t is bool for t in options)
 
 
+def _reads_as_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+# What pydantic's lax mode reads as a bool besides true and false themselves.
+_BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
+
+
+def _coerced_to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return value in (0, 1)
+    return isinstance(value, str) and value.strip().lower() in _BOOL_WORDS
+
+
 def _number_items(annotation: Any) -> bool:
     """A list (or tuple) of numbers, optional or not: `depths: [64, 512]`."""
     sequence = get_origin(annotation) in (list, tuple)
@@ -86,13 +106,10 @@ class Section(BaseModel):
                 strict = _integers_strictly(field.annotation)
                 if isinstance(value, bool) and (strict or _numbers_only(field.annotation)):
                     raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
-                if isinstance(value, str) and strict:
+                # (only what pydantic would coerce: what it refuses it reports at the field)
+                if isinstance(value, str) and strict and _reads_as_int(value):
                     raise ValueError(f"{name}: expected a number, got the text {value!r}")
-                if (
-                    value is not None
-                    and not isinstance(value, bool)
-                    and _bool_only(field.annotation)
-                ):
+                if _bool_only(field.annotation) and _coerced_to_bool(value):
                     raise ValueError(f"{name}: expected true or false, got {value!r}")
                 if isinstance(value, (list, tuple)) and _number_items(field.annotation):
                     for i, item in enumerate(value):
