@@ -28,8 +28,15 @@ pipeline() {  # the background job: data, train (until STEPS or the deadline), e
   local recipe="recipes/train/smollm2-135m-$kind.yaml" start=$SECONDS
   df() { python3 -P -m dspark_flow.cli.main train "$recipe" --quiet --log-level info "$@"; }
   df --stage data "$@" > "$JOB/data.log" 2>&1
-  [ -e "$JOB/data.sent" ] ||  # (made here, not carried)
-    tar -C "$DSPARK_FLOW_HOME/train/data" -cf - . | gzip -1 | split -b 15M -d - "$JOB/traindata.tgz.part_"
+  # send home the sets made here (a carried set for another recipe leaves this one to make)
+  local made
+  made=$(cd "$DSPARK_FLOW_HOME/train/data" && ls -d -- */ | tr -d / | grep -vxF -f "$JOB/carried" || true)
+  if [ -n "$made" ]; then
+    # shellcheck disable=SC2086
+    tar -C "$DSPARK_FLOW_HOME/train/data" -cf - $made | gzip -1 | split -b 15M -d - "$JOB/traindata.tgz.part_"
+  else
+    touch "$JOB/data.sent"
+  fi
   touch "$JOB/data.done"
   # training ends EXPORT_S before the deadline, leaving the export its time
   local left=$(( ${DEADLINE_S:-1480} - ${EXPORT_S:-40} - (SECONDS - start) ))
@@ -122,11 +129,11 @@ case "${1:-}" in
     [ -e ../shared/data/prompts ] || cp -r abprompts ../shared/data/prompts
     # A data set brought back by an earlier lease (.traindata/, carried): the data stage finds
     # it complete and takes seconds instead of ~6.5 minutes.
+    mkdir -p "$DSPARK_FLOW_HOME/train/data"
     if ls .traindata/traindata.tgz.part_* > /dev/null 2>&1; then
-      mkdir -p "$DSPARK_FLOW_HOME/train/data"
       cat .traindata/traindata.tgz.part_* | tar -xz -C "$DSPARK_FLOW_HOME/train/data"
-      touch "$JOB/data.sent"
     fi
+    (cd "$DSPARK_FLOW_HOME/train/data" && ls -d -- */ 2> /dev/null | tr -d / || true) > "$JOB/carried"
     export -f pipeline
     export JOB STEPS DEADLINE_S DSPARK_FLOW_HOME PYTHONPATH
     setsid bash -c 'pipeline "$@"' _ "$@" > "$JOB/job.log" 2>&1 < /dev/null &
