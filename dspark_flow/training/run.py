@@ -48,11 +48,9 @@ def legacy_optimizer_note(device: str) -> str:
     before commit 2e18193 (2026-12-04 11:05 UTC) AdamW had no bias correction, and a GPU kept
     the weights and state in bfloat16 (a CPU in float32)."""
     gpu = not device.startswith("cpu")
-    sets = (
-        "--set train.dtype=bfloat16 --set train.bias_correction=false"
-        if gpu
-        else ("--set train.bias_correction=false")
-    )
+    sets = "--set train.bias_correction=false"
+    if gpu:
+        sets = "--set train.dtype=bfloat16 " + sets
     then = (
         "a GPU kept the drafter's weights and AdamW state in bfloat16, without bias correction"
         if gpu
