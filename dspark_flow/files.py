@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,17 @@ def sync_files(folder: Path) -> None:
             finally:
                 os.close(fd)
     sync_folder(Path(folder))
+
+
+def replace_folder(staged: Path, final: Path) -> None:
+    """Put a folder written whole (`staged`) in place of `final`, durably: its files flushed
+    before the rename, so a power cut leaves the old folder or the whole new one, and the
+    parent's entries after it."""
+    sync_files(staged)
+    if final.exists():  # (a stale or half-deleted entry of an older run)
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    sync_folder(final.parent)
 
 
 def acquire_saying_why(lock: Any, on_wait: Callable[[], object]) -> None:

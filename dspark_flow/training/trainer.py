@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from dspark_flow.arrays import load_arrays, named_arrays
 from dspark_flow.errors import DsparkFlowError
-from dspark_flow.files import sync_files, sync_folder
+from dspark_flow.files import replace_folder
 from dspark_flow.log import get_logger
 from dspark_flow.models.backend import dense_weight
 from dspark_flow.models.drafter_backbone import DrafterBackbone
@@ -512,11 +512,7 @@ class DrafterTrainer:
                 "init_from": self.started_from,
             }
             (tmp / STATE).write_text(json.dumps(state))
-            sync_files(tmp)  # on disk before the rename makes it the newest checkpoint
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            sync_folder(self.checkpoints)
+            replace_folder(tmp, final)  # durably: a power cut leaves no torn newest checkpoint
         except BaseException as e:  # no half checkpoint left behind, whatever stopped the save
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError | RuntimeError):  # disk full, permissions (mlx: RuntimeError)
