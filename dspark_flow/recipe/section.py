@@ -8,10 +8,17 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+def _is_number(option: Any) -> bool:
+    """int, float, or a Literal's number value (Literal[1]: pydantic matches true to it)."""
+    return option in (int, float) or (
+        isinstance(option, int | float) and not isinstance(option, bool)
+    )
+
+
 def _numbers_only(annotation: Any) -> bool:
-    """An int or float field (optional or not) that takes no bool."""
-    options = get_args(annotation) or (annotation,)
-    return bool not in options and any(t in (int, float) for t in options)
+    """An int or float field (optional or not; a Literal of numbers too) that takes no bool."""
+    options = _options(annotation)
+    return bool not in options and any(_is_number(t) for t in options)
 
 
 def _options(annotation: Any) -> tuple[Any, ...]:
@@ -103,11 +110,14 @@ class Section(BaseModel):
                 if name in cls.BOOLEAN_WORDS or field is None:
                     continue
                 _check_utf8(name, value)
-                strict = _integers_strictly(field.annotation)
-                if isinstance(value, bool) and (strict or _numbers_only(field.annotation)):
+                if isinstance(value, bool) and _numbers_only(field.annotation):
                     raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
                 # (only what pydantic would coerce: what it refuses it reports at the field)
-                if isinstance(value, str) and strict and _reads_as_int(value):
+                if (
+                    isinstance(value, str)
+                    and _integers_strictly(field.annotation)
+                    and _reads_as_int(value)
+                ):
                     raise ValueError(f"{name}: expected a number, got the text {value!r}")
                 if _bool_only(field.annotation) and _coerced_to_bool(value):
                     raise ValueError(f"{name}: expected true or false, got {value!r}")
