@@ -523,9 +523,9 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
     self_prompts = data.get("self_prompts", recipe.data.self_prompts)
     d = recipe.data.model_copy(update=data.get("settings") or {})
     a = recipe.drafter.model_copy(update=train.get("drafter") or {})
-    t = recipe.train.model_copy(update=train.get("settings") or {})
-    x = recipe.export.model_copy(update=summary.get("export") or _export_from_config(out))
     recorded = train.get("settings") or {}
+    t = recipe.train.model_copy(update=recorded)
+    x = recipe.export.model_copy(update=summary.get("export") or _export_from_config(out))
     legacy = bool(train.get("steps")) and "bias_correction" not in recorded
     optimizer = (
         ""
