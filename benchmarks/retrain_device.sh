@@ -12,6 +12,9 @@
 # 2026-12-04 a watch call sent ~40 s after the last found a fresh machine, the run lost):
 #   DEADLINE_S=1320 BENCH_S=300 bash benchmarks/retrain_device.sh start dflash [--set K=V ...]
 #   bash benchmarks/retrain_device.sh watch 570        # as often as needed, until "done"
+# Budget (measured 2026-12-04 15:46): without a carried data set (414 s to make) a 30-minute
+# session holds DEADLINE_S=1450 BENCH_S=0 (7,959 DFlash steps) and no bench; the bench needs a
+# carried set (a fresh machine's bench warm-up alone took more than 185 s).
 # The data set comes back once made (traindata.tgz.part_*, the recipe's data cache folder:
 # keep the parts in .traindata/ and carry it to a later lease to skip the data stage), the
 # drafter once exported (drafter.tar.part_*):
