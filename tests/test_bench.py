@@ -346,6 +346,29 @@ def test_ctrl_c_mid_bench_reports_the_prompts_every_mode_finished(tmp_path, monk
     assert main(["bench", "--from-json", str(out / "bench.json"), "--out", str(again)]) == 0
 
 
+@pytest.mark.parametrize(
+    ("ctrl_c_at", "said"),
+    [
+        (1, "interrupted: while warming up, before any trial: nothing measured"),
+        # 2 warm-ups, then the first prompt's greedy run: no prompt has run in every mode
+        (3, "interrupted: before any prompt ran in every mode: nothing measured"),
+    ],
+)
+def test_ctrl_c_before_anything_was_measured_says_so(
+    tmp_path, monkeypatch, capsys, ctrl_c_at, said
+):
+    _count_measures(monkeypatch, ctrl_c_at=ctrl_c_at)
+    prompts = tmp_path / "one.txt"
+    prompts.write_text("Say hello.\n")
+    out = tmp_path / "out"
+    argv = ["bench", str(RECIPES / "lookup.yaml"), "--prompts", str(prompts), "--trials", "1"]
+    argv += ["--warmup-trials", "0", "--max-tokens", "8", "--no-plots", "--no-mlx-lm"]
+    assert main([*argv, "--out", str(out), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert not (out / "bench.json").exists()
+
+
 @pytest.mark.slow
 def test_equality_check_catches_a_broken_verifier(embedded, tmp_path):
     """A sampler whose verify accepts every draft, fed junk drafts: output differs from greedy and

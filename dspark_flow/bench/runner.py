@@ -222,7 +222,44 @@ def run_bench(
     say = progress or (lambda _line: None)
     ids = {(g.label, p.id): g.encoder.encode_prompt(p.text) for g in groups for p in prompts}
     pairs = [(g, m) for g in groups for m in g.modes]
+    try:
+        _warm_up(prompts, cfg, pairs, ids, say)
+    except KeyboardInterrupt:
+        # On a fresh GPU the warm-up (kernel compilation, probes) can outlast a caller's limit:
+        # say that nothing was measured rather than a bare "interrupted".
+        raise KeyboardInterrupt("while warming up, before any trial: nothing measured") from None
 
+    runs: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
+    try:
+        _trials(prompts, cfg, pairs, ids, runs, mismatches, say)
+    except KeyboardInterrupt:
+        # Ctrl-C: keep every prompt all modes finished (so the modes compare on the same
+        # prompts), drop the one in progress, and let the caller report what was measured.
+        finished = len(runs) - len(runs) % len(pairs)
+        del runs[finished:]
+        if not runs:
+            raise KeyboardInterrupt(
+                "before any prompt ran in every mode: nothing measured"
+            ) from None
+        say(f"interrupted: reporting the {finished // len(pairs)} prompt runs finished")
+        return {"runs": runs, "mismatches": mismatches, "verify_cost": [], "interrupted": True}
+
+    curves: list[dict[str, Any]] = []
+    if cfg.verify_cost:
+        for group in groups:
+            say(f"verify cost curve for {group.label}")
+            curves += verify_cost_curve(group, cfg)
+    return {"runs": runs, "mismatches": mismatches, "verify_cost": curves}
+
+
+def _warm_up(
+    prompts: list[BenchPrompt],
+    cfg: BenchConfig,
+    pairs: list[tuple[TargetGroup, Mode]],
+    ids: dict[tuple[str, str], list[int]],
+    say: Progress,
+) -> None:
     for group, mode in pairs:  # warm-up: compile kernels, allocate buffers, load drafters
         if mode.pipeline is not None:
             mode.pipeline.warm_up()
@@ -236,27 +273,6 @@ def run_bench(
             for group, mode in pairs:
                 measure(mode, group, ids[(group.label, prompt.id)], cfg.max_tokens)
         say("warm-up pass done")
-
-    runs: list[dict[str, Any]] = []
-    mismatches: list[dict[str, Any]] = []
-    try:
-        _trials(prompts, cfg, pairs, ids, runs, mismatches, say)
-    except KeyboardInterrupt:
-        # Ctrl-C: keep every prompt all modes finished (so the modes compare on the same
-        # prompts), drop the one in progress, and let the caller report what was measured.
-        finished = len(runs) - len(runs) % len(pairs)
-        del runs[finished:]
-        if not runs:
-            raise
-        say(f"interrupted: reporting the {finished // len(pairs)} prompt runs finished")
-        return {"runs": runs, "mismatches": mismatches, "verify_cost": [], "interrupted": True}
-
-    curves: list[dict[str, Any]] = []
-    if cfg.verify_cost:
-        for group in groups:
-            say(f"verify cost curve for {group.label}")
-            curves += verify_cost_curve(group, cfg)
-    return {"runs": runs, "mismatches": mismatches, "verify_cost": curves}
 
 
 def _trials(

@@ -75,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"error: {line}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a message says what was lost (the bench's warm-up)
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
