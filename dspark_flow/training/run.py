@@ -497,14 +497,15 @@ def _lineage(start: dict[str, Any] | None) -> list[str]:
 def _export_from_config(out: Path) -> dict[str, Any]:
     """The export format as the drafter's config.json states it (records from before the
     export settings were recorded); {} when there is no readable config."""
+    from dspark_flow.models.drafter_loading import QUANT_GROUP
     from dspark_flow.training.data import read_json_object
 
     config = read_json_object(out / "config.json")
     if not config:
         return {}
     q = config.get("quantization")
-    if isinstance(q, dict) and "bits" in q:
-        return {"quantize": q["bits"], "group_size": q.get("group_size", 64)}
+    if isinstance(q, dict) and "bits" in q:  # a missing group size means what the loader reads
+        return {"quantize": q["bits"], "group_size": q.get("group_size", QUANT_GROUP)}
     return {"quantize": None}
 
 
