@@ -839,6 +839,17 @@ def test_the_candidates_share_one_data_set():
     assert a == b and a.seed == 1  # one generated set (the cache key) serves both
 
 
+def test_the_dflash_candidate_continues_the_shipped_drafter_on_its_data():
+    here = Path(__file__).parent.parent / "recipes" / "train"
+    shipped, more = (
+        TrainRecipe.model_validate(yaml.safe_load((here / f"smollm2-135m-{k}.yaml").read_text()))
+        for k in ("dflash", "dflash-more")
+    )
+    # one data section: the set made for the shipped drafter serves (a lease carries it)
+    assert more.data == shipped.data
+    assert (here / more.train.init_from).resolve() == (here / shipped.output).resolve()
+
+
 # -- the drafters shipped in the wheel -------------------------------------------------------------
 
 
