@@ -14,7 +14,9 @@
 #   bash benchmarks/retrain_device.sh watch 570        # as often as needed, until "done"
 # Budget (measured 2026-12-04 15:46): without a carried data set (414 s to make) a 30-minute
 # session holds DEADLINE_S=1450 BENCH_S=0 (7,959 DFlash steps) and no bench; the bench needs a
-# carried set (a fresh machine's bench warm-up alone took more than 185 s).
+# carried set (a fresh machine's bench warm-up alone took more than 185 s). With a carried set
+# (measured 2026-12-04 18:44): a 325 s bench of the shipped recipes on the fresh machine first,
+# then DEADLINE_S=1300 COMPILE_S=160 STEP_MS=100 held a full 10,000-step schedule (1,118 s).
 # The data set comes back once made (traindata.tgz.part_*, the recipe's data cache folder:
 # keep the parts in .traindata/ and carry it to a later lease to skip the data stage), the
 # drafter once exported (drafter.tar.part_*):
