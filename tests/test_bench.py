@@ -204,7 +204,14 @@ def test_speedup_figures():
     decode = row["speedup"]["greedy"]["decode"]
     assert decode["ratio_of_medians"] == pytest.approx(25 / 15)
     assert decode["median_of_ratios"] == pytest.approx((3.0 + 1.0) / 2)
+    # 7 decode tokens a run (the first is the prefill's): greedy 0.7 + 0.35 s, fast 7/30 + 0.35 s
+    assert decode["ratio_of_totals"] == pytest.approx(1.05 / (7 / 30 + 0.35))
     assert row["decode_tok_s"] == {"median": 25.0, "min": 20.0, "max": 30.0}
+
+    # Totals count only the runs both modes made: a run greedy lacks changes nothing.
+    extra = summarize([*runs, run("fast", "c", 1)])
+    fast = next(r for r in extra if r["mode"] == "fast")["speedup"]["greedy"]["decode"]
+    assert fast["ratio_of_totals"] == pytest.approx(decode["ratio_of_totals"])
 
 
 # -- with the embedded model -------------------------------------------------------------------
@@ -244,7 +251,11 @@ def test_report_schema_through_cli(tmp_path, capsys):
     for figure in STAT_FIGURES:
         assert set(lookup[figure]) == {"median", "min", "max"}
     assert set(lookup["speedup"]) == {"greedy", "mlx-lm"}
-    assert set(lookup["speedup"]["greedy"]["decode"]) == {"ratio_of_medians", "median_of_ratios"}
+    assert set(lookup["speedup"]["greedy"]["decode"]) == {
+        "ratio_of_medians",
+        "median_of_ratios",
+        "ratio_of_totals",
+    }
     assert data["mismatches"] == []
     assert [c["k"] for c in data["verify_cost"]] == list(range(1, 17))
 

@@ -115,7 +115,10 @@ def _speedup(row: dict[str, Any], base: str | None) -> str:
     if not s:
         return ""
     d = s["decode"]
-    return f"{_num(d['ratio_of_medians'], 2)}× / {_num(d['median_of_ratios'], 2)}×"
+    cell = f"{_num(d['ratio_of_medians'], 2)}× / {_num(d['median_of_ratios'], 2)}×"
+    if "ratio_of_totals" in d:  # (absent from a bench.json written before it existed)
+        cell += f" / {_num(d['ratio_of_totals'], 2)}×"
+    return cell
 
 
 def _spec_pair(row: dict[str, Any], baselines: list[str]) -> str | None:
@@ -227,7 +230,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         prompts = len({r["prompt_id"] for r in runs})
         lines.append(f"- {prompts} prompts × {trials} trials; figures are median (min–max)")
     lines += [
-        "- × columns: decode speedup, ratio of medians / median of per-prompt ratios; τ counts "
+        "- × columns: decode speedup, ratio of medians / median of per-prompt ratios / ratio "
+        "of total times (the whole prompt set; robust where speeds fall in clusters); τ counts "
         "tokens per target forward (our loop: after the first token; mlx-lm: every round)",
         "- end-to-end tok/s is the like-for-like figure across loops: they may charge work such "
         "as a draft model's prompt prefill to TTFT or to decode differently",
