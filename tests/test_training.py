@@ -814,7 +814,8 @@ def test_a_negative_training_seed_is_refused_at_validation(section):
         loads_train_recipe(text + "  seed: -1\n", "r.yaml")
 
 
-TRAIN_RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes", "train").glob("*.yaml"))
+TRAIN_DIR = Path(__file__).parent.parent / "recipes" / "train"
+TRAIN_RECIPES = sorted(TRAIN_DIR.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", TRAIN_RECIPES, ids=lambda p: p.stem)
@@ -840,14 +841,15 @@ def test_the_candidates_share_one_data_set():
 
 
 def test_the_dflash_candidate_continues_the_shipped_drafter_on_its_data():
-    here = Path(__file__).parent.parent / "recipes" / "train"
     shipped, more = (
-        TrainRecipe.model_validate(yaml.safe_load((here / f"smollm2-135m-{k}.yaml").read_text()))
+        TrainRecipe.model_validate(
+            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
+        )
         for k in ("dflash", "dflash-more")
     )
     # one data section: the set made for the shipped drafter serves (a lease carries it)
     assert more.data == shipped.data
-    assert (here / more.train.init_from).resolve() == (here / shipped.output).resolve()
+    assert (TRAIN_DIR / more.train.init_from).resolve() == (TRAIN_DIR / shipped.output).resolve()
 
 
 # -- the drafters shipped in the wheel -------------------------------------------------------------
