@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -297,3 +298,92 @@ def test_self_prompt_starts_begin_the_user_turns_in_turn(embedded, tmp_path):
     assert len(made) == 2
     assert not made[0].startswith(start) and made[1].startswith(start)
     assert len(made[1]) >= len(start) + tdata.MIN_SELF_PROMPT_CHARS
+
+
+def _write_recipe(path, name, data, **train):
+    import yaml
+
+    body = {"name": name, "data": data, **({"train": train} if train else {})}
+    path.write_text(yaml.safe_dump(body), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+def test_extra_data_trains_on_both_sets_a_repeated_prompt_once(embedded, built, tmp_path):
+    from dspark_flow.training.recipe import load_train_recipe
+
+    model, tok = embedded
+    first, first_cache = built
+    a = _write_recipe(tmp_path / "a.yaml", "a", first.data.model_dump(mode="json"))
+    assert tdata.data_cache_dir(load_train_recipe(a)) == first_cache
+    # The second set: one prompt of the first set again and one new.
+    f = _jsonl(tmp_path / "b.jsonl", [{"turns": [PROMPTS[0]]}, {"turns": ["Count to five."]}])
+    data = {"prompts": [{"path": str(f)}], "max_new_tokens": MAX_NEW, "batch_size": 8}
+    data["cache_dir"] = str(tmp_path / "b-cache")
+    b = load_train_recipe(_write_recipe(tmp_path / "b.yaml", "b", data, extra_data=["a.yaml"]))
+    with pytest.raises(DsparkFlowError, match=r"b's data|no training data"):
+        tdata.training_samples(b)  # its own set not made yet
+    own = tdata.load_samples(tdata.build_dataset(b, model, tok, progress=False))
+    samples, extra = tdata.training_samples(b)
+    theirs = tdata.load_samples(first_cache)
+    assert len(own) == 2 and len(samples) == len(own) + len(theirs) - 1
+    assert extra == [
+        {
+            "recipe": "a",
+            "cache": str(first_cache),
+            "samples": len(theirs) - 1,
+            "repeats_left_out": 1,
+        }
+    ]
+    prompts = [s.tokens[: s.prompt_len].tobytes() for s in samples]
+    assert len(set(prompts)) == len(prompts)
+    assert [s.tokens.tobytes() for s in samples[:2]] == [s.tokens.tobytes() for s in own]
+
+
+def test_extra_data_not_made_says_which_stage_to_run(tmp_path, monkeypatch):
+    from dspark_flow.training.recipe import load_train_recipe
+
+    monkeypatch.setenv("DSPARK_FLOW_HOME", str(tmp_path / "home"))
+    f = _jsonl(tmp_path / "p.jsonl", [{"turns": ["What is 2 + 2?"]}])
+    _write_recipe(tmp_path / "a.yaml", "a", {"prompts": [{"path": str(f)}]})
+    b = load_train_recipe(
+        _write_recipe(tmp_path / "b.yaml", "b", {"self_prompts": 4}, extra_data=["a.yaml"])
+    )
+    with pytest.raises(DsparkFlowError) as err:
+        tdata.training_samples(b, own=[])
+    msg = str(err.value)
+    assert "a's data set is not ready" in msg and f"train {tmp_path / 'a.yaml'} --stage data" in msg
+    assert "\n" not in msg
+
+
+def test_extra_data_refused_at_validation(tmp_path):
+    from dspark_flow.training.recipe import load_train_recipe
+
+    f = _jsonl(tmp_path / "p.jsonl", [{"turns": ["What is 2 + 2?"]}])
+    data = {"prompts": [{"path": str(f)}]}
+    _write_recipe(tmp_path / "plain.yaml", "plain", data)
+    other = _write_recipe(tmp_path / "other.yaml", "other", data)
+    text = other.read_text() + "target: {model: some/other-model}\n"
+    other.write_text(text)
+    _write_recipe(tmp_path / "nested.yaml", "nested", data, extra_data=["plain.yaml"])
+    (tmp_path / "broken.yaml").write_text("name: broken\ndata: {self_prompts: -1}\n")
+    cases = {
+        "missing.yaml": "training recipe not found",
+        "other.yaml": "other's target (some/other-model) is not this recipe's",
+        "nested.yaml": "nested has train.extra_data of its own",
+        "broken.yaml": "is not a valid training recipe",
+        "self.yaml": "names this recipe itself",
+    }
+    for name, why in cases.items():
+        path = _write_recipe(tmp_path / "self.yaml", "self", data, extra_data=[name])
+        with pytest.raises(RecipeError, match=re.escape(why)) as err:
+            load_train_recipe(path)
+        assert str(err.value).startswith(f"{path} train.extra_data[0]: ")
+        assert "\n" not in str(err.value)
+    # A recipe without the setting keeps the checkpoint key it had before the setting existed
+    # (computed then), so its checkpoints still resume; one with it has another key.
+    from dspark_flow.training.trainer import recipe_key
+
+    plain = load_train_recipe(tmp_path / "plain.yaml")
+    assert recipe_key(plain) == "4a5052d8d8bea664"
+    assert recipe_key(load_train_recipe(tmp_path / "nested.yaml")) != recipe_key(plain)

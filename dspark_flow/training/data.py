@@ -807,6 +807,47 @@ def data_shares(cache_dir: Path) -> list[dict[str, Any]]:
     return list(read_json_object(Path(cache_dir) / MANIFEST).get("shares", []))
 
 
+def training_samples(
+    recipe: TrainRecipe, own: list[Sample] | None = None
+) -> tuple[list[Sample], list[dict[str, Any]]]:
+    """What a run trains on: the recipe's own samples (`own`, or read from its cache), then
+    each `train.extra_data` recipe's, a prompt already met left out (the sets were made apart,
+    so the same prompt may be in two). Returns the samples and, per extra set, where it came
+    from and what it added."""
+    from dspark_flow.training.recipe import extra_data_recipes
+
+    samples = list(own if own is not None else load_samples(data_cache_dir(recipe)))
+    if not recipe.train.extra_data:
+        return samples, []
+    seen = {s.tokens[: s.prompt_len].tobytes() for s in samples}
+    added: list[dict[str, Any]] = []
+    for path, other in zip(recipe.train.extra_data, extra_data_recipes(recipe), strict=True):
+        cache = data_cache_dir(other)
+        try:
+            theirs = load_samples(cache)
+        except DsparkFlowError as exc:
+            raise DsparkFlowError(
+                f"train.extra_data: {other.name}'s data set is not ready ({exc}); make it first: "
+                f"dspark-flow train {path} --stage data"
+            ) from None
+        kept = 0
+        for sample in theirs:
+            prompt = sample.tokens[: sample.prompt_len].tobytes()
+            if prompt not in seen:
+                seen.add(prompt)
+                samples.append(sample)
+                kept += 1
+        added.append(
+            {
+                "recipe": other.name,
+                "cache": str(cache),
+                "samples": kept,
+                "repeats_left_out": len(theirs) - kept,
+            }
+        )
+    return samples, added
+
+
 def load_samples(cache_dir: Path) -> list[Sample]:
     cache_dir = Path(cache_dir)
     path = cache_dir / MANIFEST

@@ -213,6 +213,12 @@ class TrainSpec(Section):
         "a fresh run from (a resumed run continues its checkpoint); the recipe may add layers "
         "after the source's (they start as identity)",
     )
+    extra_data: list[str] = Field(
+        default_factory=list,
+        description="other training recipes whose data sets this run trains on too, after its "
+        "own (each made first by that recipe's data stage; same target; a prompt met twice "
+        "is trained on once)",
+    )
 
 
 class EvalSpec(Section):
@@ -298,6 +304,9 @@ def _resolve_paths(
         recipe.data.cache_dir = resolved(recipe.data.cache_dir, "data", "cache_dir")
     if recipe.train.init_from:
         recipe.train.init_from = resolved(recipe.train.init_from, "train", "init_from")
+    recipe.train.extra_data = [
+        resolved(path, "train", "extra_data", i) for i, path in enumerate(recipe.train.extra_data)
+    ]
 
 
 def check_prompt_files(recipe: TrainRecipe, source: str) -> None:
@@ -357,7 +366,54 @@ def loads_train_recipe(
     recipe = validate_model(TrainRecipe, data, source, root, overridden, "a training recipe")
     _resolve_paths(recipe, base or Path.cwd(), overridden)
     check_prompt_files(recipe, source)
+    check_extra_data(recipe, source)
     return recipe
+
+
+def extra_data_recipes(recipe: TrainRecipe) -> list[TrainRecipe]:
+    """The recipes named by `train.extra_data`, loaded (their paths already resolved)."""
+    return [load_train_recipe(path) for path in recipe.train.extra_data]
+
+
+def check_extra_data(recipe: TrainRecipe, source: str) -> None:
+    """Each `train.extra_data` entry is a valid training recipe whose data suits this run: the
+    same target (another model's answers teach another model), prompts that fit this run's
+    sequences, and no extra data of its own (one level: list those recipes here instead)."""
+    problems = []
+    here = Path(source).resolve() if Path(source).is_file() else None
+    for i, path in enumerate(recipe.train.extra_data):
+        where = f"{source} train.extra_data[{i}]"
+        if not Path(path).is_file():
+            problems.append(f"{where}: training recipe not found: {path}")
+            continue
+        if here is not None and Path(path).resolve() == here:
+            problems.append(
+                f"{where}: names this recipe itself (its own data is trained on anyway)"
+            )
+            continue
+        try:
+            other = load_train_recipe(path)
+        except (RecipeError, ConfigError) as exc:
+            why = "; ".join(str(exc).splitlines())
+            problems.append(f"{where}: {path} is not a valid training recipe ({why})")
+            continue
+        if other.target != recipe.target:
+            problems.append(
+                f"{where}: {other.name}'s target ({other.target.model}) is not this recipe's "
+                f"({recipe.target.model}): its data holds another model's answers"
+            )
+        elif other.data.max_prompt_tokens >= recipe.train.seq_len:
+            problems.append(
+                f"{where}: {other.name}'s data.max_prompt_tokens {other.data.max_prompt_tokens} "
+                f"reaches this recipe's train.seq_len {recipe.train.seq_len}"
+            )
+        elif other.train.extra_data:
+            problems.append(
+                f"{where}: {other.name} has train.extra_data of its own, which is not followed: "
+                "list those recipes here instead"
+            )
+    if problems:
+        raise RecipeError(problems)
 
 
 def check_output(recipe: TrainRecipe, source: str, replace: bool = False) -> None:

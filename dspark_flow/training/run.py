@@ -114,7 +114,7 @@ def run_training(
     `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops.
     `replace` lets export replace a drafter another recipe exported in `output`."""
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import data_cache_dir, load_samples
+    from dspark_flow.training.data import training_samples
     from dspark_flow.training.recipe import check_output
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
     from dspark_flow.training.warm_start import require_init_from
@@ -152,6 +152,10 @@ def run_training(
         samples = _data_stage(recipe, target, tok, stages, worker, progress, summary, previous)
         if samples is None:  # one data worker's share: the whole set may not be there yet
             return summary
+        if recipe.train.extra_data and {"train", "export", "vocab"} & set(stages):
+            samples, extra = training_samples(recipe, samples)
+            summary["data"] = {**summary["data"], "extra": extra}
+            log.info("extra data", samples_in_all=len(samples), sets=extra)
     interrupted = False
     if "train" in stages:
         assert samples is not None
@@ -173,7 +177,7 @@ def run_training(
     if "export" in stages or "vocab" in stages:
         if samples is None:
             try:
-                samples = load_samples(data_cache_dir(recipe))
+                samples = training_samples(recipe)[0]
             except DsparkFlowError:
                 if "vocab" in stages:
                     raise
@@ -509,6 +513,17 @@ def _export_from_config(out: Path) -> dict[str, Any]:
     return {"quantize": None}
 
 
+def _extra_data_text(extra: list[dict[str, Any]]) -> list[str]:
+    if not extra:
+        return []
+    sets = "; ".join(
+        f"`{e.get('recipe', '?')}` ({e.get('samples', '?')} samples, "
+        f"{e.get('repeats_left_out', 0)} repeated prompts left out)"
+        for e in extra
+    )
+    return ["", f"Trained also on the data sets of {sets} (`train.extra_data`)."]
+
+
 def write_card(recipe: TrainRecipe, out: Path) -> None:
     """The model card (README.md) from out/train_summary.json: what was trained, on what, how
     long, and what it reaches."""
@@ -563,6 +578,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         files or "- (none)",
         "",
         f"Samples: {data.get('samples', '?')}, tokens: {data.get('tokens', '?')} (answers: {data.get('answer_tokens', '?')}).",
+        *_extra_data_text(data.get("extra") or []),
         "",
         "## Training",
         f"{train.get('steps', '?')} steps of {t.batch_size} sequences x {t.anchors_per_seq} blocks "

@@ -76,6 +76,12 @@ def recipe_key(recipe: TrainRecipe) -> str:
         spec["path"] = file_digest(Path(spec["path"]))
     data["data"].pop("cache_dir", None)
     data["train"]["init_from"] = bool(data["train"].get("init_from"))
+    # Extra data by the sets it names (a key from before the setting stays as it was).
+    if data["train"].pop("extra_data", None):
+        from dspark_flow.training.data import data_cache_dir
+        from dspark_flow.training.recipe import extra_data_recipes
+
+        data["train"]["extra_data"] = [data_cache_dir(r).name for r in extra_data_recipes(recipe)]
     data["trainer"] = TRAINER_VERSION  # a checkpoint of another optimizer does not resume
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
