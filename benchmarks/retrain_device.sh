@@ -18,7 +18,8 @@
 # (measured 2026-12-04 18:44): a 325 s bench of the shipped recipes on the fresh machine first,
 # then DEADLINE_S=1300 COMPILE_S=160 STEP_MS=100 held a full 10,000-step schedule (1,118 s).
 # The data set comes back once made (traindata.tgz.part_*, the recipe's data cache folder:
-# keep the parts in .traindata/ and carry it to a later lease to skip the data stage), the
+# keep the parts in .traindata/, renamed KEY.tgz.part_* after the set's folder when it holds
+# more than one set, and carry it to a later lease to skip the data stage), the
 # drafter once exported (drafter.tar.part_*):
 #   cat FILES_AT/traindata.tgz.part_* | tar -xz -C DIR;  cat FILES_AT/drafter.tar.part_* | tar -x -C DIR
 set -euo pipefail
@@ -135,9 +136,10 @@ case "${1:-}" in
     # A data set brought back by an earlier lease (.traindata/, carried): the data stage finds
     # it complete and takes seconds instead of ~6.5 minutes.
     mkdir -p "$DSPARK_FLOW_HOME/train/data"
-    if ls .traindata/traindata.tgz.part_* > /dev/null 2>&1; then
-      cat .traindata/traindata.tgz.part_* | tar -xz -C "$DSPARK_FLOW_HOME/train/data"
-    fi
+    # Each set its own archive (NAME.tgz.part_*: one tar stream per set, so unpacked apart).
+    for set in $(ls .traindata/*.tgz.part_* 2> /dev/null | sed 's/\.part_[0-9]*$//' | sort -u); do
+      cat "$set".part_* | tar -xz -C "$DSPARK_FLOW_HOME/train/data"
+    done
     (cd "$DSPARK_FLOW_HOME/train/data" && ls -d -- */ 2> /dev/null | tr -d / || true) > "$JOB/carried"
     export -f pipeline
     export JOB STEPS DEADLINE_S DSPARK_FLOW_HOME PYTHONPATH

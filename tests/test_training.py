@@ -840,16 +840,39 @@ def test_the_candidates_share_one_data_set():
     assert a == b and a.seed == 1  # one generated set (the cache key) serves both
 
 
-def test_the_dflash_candidate_continues_the_shipped_drafter_on_its_data():
-    shipped, more = (
+def test_the_dflash_candidate_continues_stage_1_on_its_data():
+    base, more = (
         TrainRecipe.model_validate(
             yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
         )
-        for k in ("dflash", "dflash-more")
+        for k in ("dflash-base", "dflash-more")
     )
-    # one data section: the set made for the shipped drafter serves (a lease carries it)
-    assert more.data == shipped.data
-    assert (TRAIN_DIR / more.train.init_from).resolve() == (TRAIN_DIR / shipped.output).resolve()
+    # one data section: the set made for stage 1 serves (a lease carries it)
+    assert more.data == base.data
+    assert (TRAIN_DIR / more.train.init_from).resolve() == (TRAIN_DIR / base.output).resolve()
+
+
+def test_the_shipped_dflash_recipe_is_stage_2_on_a_second_set_beside_stage_1s():
+    from dspark_flow.training.recipe import load_train_recipe
+
+    base, shipped = (
+        TrainRecipe.model_validate(
+            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
+        )
+        for k in ("dflash-base", "dflash")
+    )
+    # its own set: self prompts only (the prompt files are in stage 1's set), a second draw
+    assert shipped.data.prompts == [] and shipped.data.seed != base.data.seed
+    same = shipped.data.model_dump(exclude={"prompts", "seed", "self_prompts"})
+    assert same == base.data.model_dump(exclude={"prompts", "seed", "self_prompts"})
+    assert shipped.train.extra_data == ["smollm2-135m-dflash-base.yaml"]
+    assert (TRAIN_DIR / shipped.train.init_from).resolve() == (TRAIN_DIR / base.output).resolve()
+    assert "dspark_flow/data/drafters" in shipped.output and "out/drafters" in base.output
+    if (TRAIN_DIR / "../../../shared/data/prompts").is_dir():  # path checks need the prompt sets
+        loaded = load_train_recipe(TRAIN_DIR / "smollm2-135m-dflash.yaml")
+        assert loaded.train.extra_data == [
+            str((TRAIN_DIR / "smollm2-135m-dflash-base.yaml").resolve())
+        ]
 
 
 # -- the drafters shipped in the wheel -------------------------------------------------------------

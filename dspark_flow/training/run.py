@@ -575,7 +575,7 @@ def write_card(recipe: TrainRecipe, out: Path) -> None:
         f"The target answered these prompts with its own chat template at temperature {d.temperature} "
         f"(at most {d.max_new_tokens} new tokens), plus {self_prompts} prompts it wrote itself (Magpie-style, "
         f"temperature {d.self_prompt_temperature}{_starts_text(d.self_prompt_starts)}):",
-        files or "- (none)",
+        files or "- (no prompt files: only the prompts it wrote)",
         "",
         f"Samples: {data.get('samples', '?')}, tokens: {data.get('tokens', '?')} (answers: {data.get('answer_tokens', '?')}).",
         *_extra_data_text(data.get("extra") or []),
