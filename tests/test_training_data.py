@@ -354,6 +354,14 @@ def test_extra_data_not_made_says_which_stage_to_run(tmp_path, monkeypatch):
     msg = str(err.value)
     assert "a's data set is not ready" in msg and f"train {tmp_path / 'a.yaml'} --stage data" in msg
     assert "\n" not in msg
+    # The run checks it before making its own data (minutes), not after.
+    with pytest.raises(DsparkFlowError, match=r"a's data set is not made .*--stage data$"):
+        tdata.require_extra_data(b)
+    from dspark_flow.training.run import run_training
+
+    with pytest.raises(DsparkFlowError, match="a's data set is not made"):
+        run_training(b, stages=("data", "train"), progress=False)
+    assert not tdata.data_cache_dir(b).exists()  # nothing made for b
 
 
 def test_extra_data_refused_at_validation(tmp_path):

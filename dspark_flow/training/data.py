@@ -807,6 +807,20 @@ def data_shares(cache_dir: Path) -> list[dict[str, Any]]:
     return list(read_json_object(Path(cache_dir) / MANIFEST).get("shares", []))
 
 
+def require_extra_data(recipe: TrainRecipe) -> None:
+    """Each `train.extra_data` set is made (its manifest says complete): checked before this
+    recipe's own data stage, which may take minutes, rather than after it."""
+    from dspark_flow.training.recipe import extra_data_recipes
+
+    for path, other in zip(recipe.train.extra_data, extra_data_recipes(recipe), strict=True):
+        cache = data_cache_dir(other)
+        if read_json_object(cache / MANIFEST).get("complete") is not True:
+            raise DsparkFlowError(
+                f"train.extra_data: {other.name}'s data set is not made ({cache}); make it "
+                f"first: dspark-flow train {path} --stage data"
+            )
+
+
 def training_samples(
     recipe: TrainRecipe, own: list[Sample] | None = None
 ) -> tuple[list[Sample], list[dict[str, Any]]]:

@@ -114,7 +114,7 @@ def run_training(
     `data_worker` 'I/N' makes only share I of N of the data (one process per GPU) and stops.
     `replace` lets export replace a drafter another recipe exported in `output`."""
     from dspark_flow.models.loading import load
-    from dspark_flow.training.data import training_samples
+    from dspark_flow.training.data import require_extra_data, training_samples
     from dspark_flow.training.recipe import check_output
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
     from dspark_flow.training.warm_start import require_init_from
@@ -137,6 +137,8 @@ def run_training(
     if "train" in stages and (fresh or trainer.latest_checkpoint() is None):
         # A new drafter's warm start must be there before hours of data making, not after.
         require_init_from(recipe.train.init_from)
+    if "train" in stages:
+        require_extra_data(recipe)  # (the same: before this recipe's own data is made)
     out = recipe.output_dir()
     # Stages run in separate calls (data and training on a GPU, evaluation elsewhere, training
     # paused by time limits) add to one summary: keep what earlier runs recorded. The work dir's
