@@ -382,6 +382,11 @@ def test_extra_data_refused_at_validation(tmp_path):
         "broken.yaml": "is not a valid training recipe",
         "self.yaml": "names this recipe itself",
     }
+    # Two recipes naming each other: refused in one line, not loaded back and forth.
+    _write_recipe(tmp_path / "ping.yaml", "ping", data, extra_data=["pong.yaml"])
+    _write_recipe(tmp_path / "pong.yaml", "pong", data, extra_data=["ping.yaml"])
+    with pytest.raises(RecipeError, match="pong has train.extra_data of its own"):
+        load_train_recipe(tmp_path / "ping.yaml")
     for name, why in cases.items():
         path = _write_recipe(tmp_path / "self.yaml", "self", data, extra_data=[name])
         with pytest.raises(RecipeError, match=re.escape(why)) as err:

@@ -349,7 +349,10 @@ def loads_train_recipe(
     source: str = "<train recipe>",
     overrides: list[str] | None = None,
     base: Path | None = None,
+    follow_extra_data: bool = True,
 ) -> TrainRecipe:
+    """`follow_extra_data`: also load and check the recipes `train.extra_data` names (off for
+    those recipes themselves: extra data is one level deep)."""
     from dspark_flow.recipe.load import apply_overrides, parse_yaml, validate_model
 
     data, root = parse_yaml(text, source)
@@ -366,13 +369,14 @@ def loads_train_recipe(
     recipe = validate_model(TrainRecipe, data, source, root, overridden, "a training recipe")
     _resolve_paths(recipe, base or Path.cwd(), overridden)
     check_prompt_files(recipe, source)
-    check_extra_data(recipe, source)
+    if follow_extra_data:
+        check_extra_data(recipe, source)
     return recipe
 
 
 def extra_data_recipes(recipe: TrainRecipe) -> list[TrainRecipe]:
     """The recipes named by `train.extra_data`, loaded (their paths already resolved)."""
-    return [load_train_recipe(path) for path in recipe.train.extra_data]
+    return [load_train_recipe(path, follow_extra_data=False) for path in recipe.train.extra_data]
 
 
 def check_extra_data(recipe: TrainRecipe, source: str) -> None:
@@ -391,8 +395,9 @@ def check_extra_data(recipe: TrainRecipe, source: str) -> None:
                 f"{where}: names this recipe itself (its own data is trained on anyway)"
             )
             continue
-        try:
-            other = load_train_recipe(path)
+        try:  # (its own extra data is refused below, not followed: two recipes naming each
+            # other would otherwise load each other without end)
+            other = load_train_recipe(path, follow_extra_data=False)
         except (RecipeError, ConfigError) as exc:
             why = "; ".join(str(exc).splitlines())
             problems.append(f"{where}: {path} is not a valid training recipe ({why})")
@@ -440,12 +445,16 @@ def check_output(recipe: TrainRecipe, source: str, replace: bool = False) -> Non
         )
 
 
-def load_train_recipe(path: str | Path, overrides: list[str] | None = None) -> TrainRecipe:
+def load_train_recipe(
+    path: str | Path, overrides: list[str] | None = None, *, follow_extra_data: bool = True
+) -> TrainRecipe:
     from dspark_flow.recipe.load import read_recipe_text
 
     path = Path(path)
     text = read_recipe_text(path, "training recipe")
-    return loads_train_recipe(text, str(path), overrides, base=path.resolve().parent)
+    return loads_train_recipe(
+        text, str(path), overrides, base=path.resolve().parent, follow_extra_data=follow_extra_data
+    )
 
 
 def target_dims(target: Any) -> dict[str, Any]:
