@@ -365,7 +365,7 @@ def test_extra_data_not_made_says_which_stage_to_run(tmp_path, monkeypatch):
 
 
 def test_extra_data_refused_at_validation(tmp_path):
-    from dspark_flow.training.recipe import load_train_recipe
+    from dspark_flow.training.recipe import extra_data_recipes, load_train_recipe
 
     f = _jsonl(tmp_path / "p.jsonl", [{"turns": ["What is 2 + 2?"]}])
     data = {"prompts": [{"path": str(f)}]}
@@ -373,20 +373,19 @@ def test_extra_data_refused_at_validation(tmp_path):
     other = _write_recipe(tmp_path / "other.yaml", "other", data)
     text = other.read_text() + "target: {model: some/other-model}\n"
     other.write_text(text)
-    _write_recipe(tmp_path / "nested.yaml", "nested", data, extra_data=["plain.yaml"])
     (tmp_path / "broken.yaml").write_text("name: broken\ndata: {self_prompts: -1}\n")
     cases = {
         "missing.yaml": "training recipe not found",
         "other.yaml": "other's target (some/other-model) is not this recipe's",
-        "nested.yaml": "nested has train.extra_data of its own",
         "broken.yaml": "is not a valid training recipe",
         "self.yaml": "names this recipe itself",
     }
-    # Two recipes naming each other: refused in one line, not loaded back and forth.
+    # A named recipe's own extra data is not followed: two recipes naming each other load
+    # (each adds the other's own set), rather than loading each other back and forth.
     _write_recipe(tmp_path / "ping.yaml", "ping", data, extra_data=["pong.yaml"])
     _write_recipe(tmp_path / "pong.yaml", "pong", data, extra_data=["ping.yaml"])
-    with pytest.raises(RecipeError, match="pong has train.extra_data of its own"):
-        load_train_recipe(tmp_path / "ping.yaml")
+    ping = load_train_recipe(tmp_path / "ping.yaml")
+    assert [r.name for r in extra_data_recipes(ping)] == ["pong"]
     for name, why in cases.items():
         path = _write_recipe(tmp_path / "self.yaml", "self", data, extra_data=[name])
         with pytest.raises(RecipeError, match=re.escape(why)) as err:
@@ -399,4 +398,4 @@ def test_extra_data_refused_at_validation(tmp_path):
 
     plain = load_train_recipe(tmp_path / "plain.yaml")
     assert recipe_key(plain) == "4a5052d8d8bea664"
-    assert recipe_key(load_train_recipe(tmp_path / "nested.yaml")) != recipe_key(plain)
+    assert recipe_key(ping) != recipe_key(plain)

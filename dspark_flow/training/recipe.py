@@ -215,9 +215,9 @@ class TrainSpec(Section):
     )
     extra_data: list[str] = Field(
         default_factory=list,
-        description="other training recipes whose data sets this run trains on too, after its "
-        "own (each made first by that recipe's data stage; same target; a prompt met twice "
-        "is trained on once)",
+        description="other training recipes whose own data sets this run trains on too, after "
+        "its own (each made first by that recipe's data stage; same target; not the sets they "
+        "name in turn; a prompt met twice is trained on once)",
     )
 
 
@@ -381,8 +381,8 @@ def extra_data_recipes(recipe: TrainRecipe) -> list[TrainRecipe]:
 
 def check_extra_data(recipe: TrainRecipe, source: str) -> None:
     """Each `train.extra_data` entry is a valid training recipe whose data suits this run: the
-    same target (another model's answers teach another model), prompts that fit this run's
-    sequences, and no extra data of its own (one level: list those recipes here instead)."""
+    same target (another model's answers teach another model) and prompts that fit this run's
+    sequences. Only its own set counts, not the sets it names in turn (list those here too)."""
     problems = []
     here = Path(source).resolve() if Path(source).is_file() else None
     for i, path in enumerate(recipe.train.extra_data):
@@ -395,8 +395,8 @@ def check_extra_data(recipe: TrainRecipe, source: str) -> None:
                 f"{where}: names this recipe itself (its own data is trained on anyway)"
             )
             continue
-        try:  # (its own extra data is refused below, not followed: two recipes naming each
-            # other would otherwise load each other without end)
+        try:  # (its own extra data is not followed: two recipes naming each other would
+            # otherwise load each other without end)
             other = load_train_recipe(path, follow_extra_data=False)
         except (RecipeError, ConfigError) as exc:
             why = "; ".join(str(exc).splitlines())
@@ -411,11 +411,6 @@ def check_extra_data(recipe: TrainRecipe, source: str) -> None:
             problems.append(
                 f"{where}: {other.name}'s data.max_prompt_tokens {other.data.max_prompt_tokens} "
                 f"reaches this recipe's train.seq_len {recipe.train.seq_len}"
-            )
-        elif other.train.extra_data:
-            problems.append(
-                f"{where}: {other.name} has train.extra_data of its own, which is not followed: "
-                "list those recipes here instead"
             )
     if problems:
         raise RecipeError(problems)
