@@ -8,6 +8,9 @@
 # STEPS defaults to `auto`: the steps that fit before DEADLINE_S (see pipeline below);
 # BENCH_S > 0 benches the shipped recipe beside the new drafter after the export (move only the
 # other kind's drafter out of the tree to stay under the 64 MiB a call carries).
+# A recipe that warm-starts (stage 2: dflash, dspark; the candidates) needs its init_from in
+# the tree: carry out/drafters/<stage 1> (dflash also trains on stage 1's data set, extra_data:
+# carry it in .traindata/: the job makes only the named recipe's own set).
 # Calls, back to back (the machine goes back after 30 s idle, and the job with it: on
 # 2026-12-04 a watch call sent ~40 s after the last found a fresh machine, the run lost):
 #   DEADLINE_S=1320 BENCH_S=300 bash benchmarks/retrain_device.sh start dflash [--set K=V ...]
@@ -120,7 +123,7 @@ wait_for_job() {  # wait up to $1 s for the job to finish, then bring back what 
 
 case "${1:-}" in
   start)
-    shift; kind=${1:?name the recipe: dflash, dspark-base or dspark}
+    shift; kind=${1:?name the recipe: dflash-base, dflash, dspark-base or dspark}
     if [ -e "$JOB/pid" ] && kill -0 "$(cat "$JOB/pid")" 2> /dev/null; then
       echo "a job is running on this machine: watch it" >&2; exit 2
     fi
@@ -148,5 +151,5 @@ case "${1:-}" in
     wait_for_job "${WATCH_S:-540}"
     ;;
   watch) wait_for_job "${2:-570}" ;;
-  *) echo "usage: $0 start dflash|dspark-base|dspark [--set K=V ...] | watch SECONDS" >&2; exit 2 ;;
+  *) echo "usage: $0 start dflash-base|dflash|dspark-base|dspark|CANDIDATE [--set K=V ...] | watch SECONDS" >&2; exit 2 ;;
 esac
