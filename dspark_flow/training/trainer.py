@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,6 +160,12 @@ class DrafterTrainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.started_from: dict[str, Any] | None = None  # the warm start's source, if any
+
+    @cached_property
+    def key(self) -> str:
+        """`recipe_key`, computed once: it digests the prompt files (and loads the extra data's
+        recipes), and every checkpoint of the run records the same value."""
+        return recipe_key(self.recipe)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -513,7 +519,7 @@ class DrafterTrainer:
             (tmp / "config.json").write_text(json.dumps(self.config, indent=2))
             state = {
                 "step": self.step,
-                "key": recipe_key(self.recipe),
+                "key": self.key,
                 "history": self.history,
                 "init_from": self.started_from,
             }
@@ -540,7 +546,7 @@ class DrafterTrainer:
         if ckpt is None:
             return False
         state = _read_state(ckpt)
-        if state.get("key") != recipe_key(self.recipe):
+        if state.get("key") != self.key:
             raise DsparkFlowError(
                 f"checkpoint {ckpt} belongs to a different version of recipe {self.recipe.name!r}; "
                 "pass --fresh to start over (it is then replaced)"
