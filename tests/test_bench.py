@@ -213,6 +213,13 @@ def test_speedup_figures():
     fast = next(r for r in extra if r["mode"] == "fast")["speedup"]["greedy"]["decode"]
     assert fast["ratio_of_totals"] == pytest.approx(decode["ratio_of_totals"])
 
+    # A mode with no decode rate at all (every run a single token) has no ratio, not 0.
+    silent = [{**run("mute", p, 1), "decode_tok_s": None} for p in ("a", "b")]
+    mute = next(r for r in summarize([*runs, *silent]) if r["mode"] == "mute")
+    assert mute["speedup"]["greedy"]["decode"] == dict.fromkeys(
+        ("ratio_of_medians", "median_of_ratios", "ratio_of_totals")
+    )
+
 
 # -- with the embedded model -------------------------------------------------------------------
 

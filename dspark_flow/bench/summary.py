@@ -40,15 +40,17 @@ def _run_key(run: dict[str, Any]) -> tuple[str, Any]:
     return run["prompt_id"], run.get("trial")
 
 
-def _total_rate(runs: list[dict[str, Any]], figure: str, keys: set[tuple[str, Any]]) -> float:
-    """Tokens over seconds, summed over the runs in `keys` (0.0 when none has a rate)."""
+def _total_rate(
+    runs: list[dict[str, Any]], figure: str, keys: set[tuple[str, Any]]
+) -> float | None:
+    """Tokens over seconds, summed over the runs in `keys` (None when none has a rate)."""
     tokens = seconds = 0.0
     for r in runs:
         counted = r["num_tokens"] - _NOT_COUNTED[figure]
         if _run_key(r) in keys and r.get(figure) and counted > 0:
             tokens += counted
             seconds += counted / float(r[figure])
-    return tokens / seconds if seconds else 0.0
+    return tokens / seconds if seconds else None
 
 
 def speedup(
@@ -61,13 +63,12 @@ def speedup(
     ratios = [mine[p] / theirs[p] for p in mine if theirs.get(p)]
     # totals over the (prompt, trial) runs both modes made, so a missing run biases neither
     both = {_run_key(r) for r in mode_runs} & {_run_key(r) for r in base_runs}
-    base_total = _total_rate(base_runs, figure, both)
+    mode_total, base_total = (_total_rate(r, figure, both) for r in (mode_runs, base_runs))
     return {
         "ratio_of_medians": ratio,
         "median_of_ratios": statistics.median(ratios) if ratios else None,
-        "ratio_of_totals": _total_rate(mode_runs, figure, both) / base_total
-        if base_total
-        else None,
+        # None, like the other two, where either side has no rate (not 0.0: no run is not slow)
+        "ratio_of_totals": mode_total / base_total if mode_total and base_total else None,
     }
 
 
