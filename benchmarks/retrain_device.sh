@@ -10,7 +10,8 @@
 # other kind's drafter out of the tree to stay under the 64 MiB a call carries).
 # A recipe that warm-starts (stage 2: dflash, dspark; the candidates) needs its init_from in
 # the tree: carry out/drafters/<stage 1> (dflash also trains on stage 1's data set, extra_data:
-# carry it in .traindata/: the job makes only the named recipe's own set).
+# carry it in .traindata/: the job makes only the named recipe's own set). dspark-data2 starts
+# from the shipped DSpark drafter (in the tree) and trains on both DFlash sets: carry both.
 # Calls, back to back (the machine goes back after 30 s idle, and the job with it: on
 # 2026-12-04 a watch call sent ~40 s after the last found a fresh machine, the run lost):
 #   DEADLINE_S=1320 BENCH_S=300 bash benchmarks/retrain_device.sh start dflash [--set K=V ...]

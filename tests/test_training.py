@@ -875,6 +875,20 @@ def test_the_shipped_dflash_recipe_is_stage_2_on_a_second_set_beside_stage_1s():
         ]
 
 
+def test_the_dspark_candidate_trains_on_both_dflash_sets():
+    dflash, candidate = (
+        TrainRecipe.model_validate(
+            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
+        )
+        for k in ("dflash", "dspark-data2")
+    )
+    # its own set is the shipped DFlash recipe's (one cache key), stage 1's joins as extra data
+    assert candidate.data == dflash.data
+    assert candidate.train.extra_data == dflash.train.extra_data
+    assert candidate.train.init_from.endswith("dspark_flow/data/drafters/smollm2-135m-dspark")
+    assert "out/drafters" in candidate.output
+
+
 # -- the drafters shipped in the wheel -------------------------------------------------------------
 
 
