@@ -219,7 +219,21 @@ def test_the_optimizer_is_bias_corrected_adamw_on_float32_weights_on_every_backe
     assert norms and all(not mx.array_equal(before[k], after[k]) for k in norms), norms
 
 
-def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, samples, tmp_path):
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler while the test runs: a suite started in the background
+    (`cmd &`, nohup) inherits SIGINT ignored, which the trainer leaves alone by design."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(
+    embedded, samples, tmp_path, python_sigint
+):
     import signal
 
     model, tok = embedded
@@ -244,7 +258,9 @@ def test_ctrl_c_ends_the_step_saves_it_and_a_rerun_resumes_there(embedded, sampl
     assert again.train(samples).step == 5
 
 
-def test_the_interrupt_guard_leaves_ignored_sigint_alone_and_stops_after_a_late_ctrl_c():
+def test_the_interrupt_guard_leaves_ignored_sigint_alone_and_stops_after_a_late_ctrl_c(
+    python_sigint,
+):
     import signal
 
     from dspark_flow.training.trainer import deferred_interrupt
@@ -370,7 +386,9 @@ def test_time_limited_calls_add_up_in_the_summary(embedded, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_training_run_records_the_call_and_skips_export(embedded, tmp_path):
+def test_ctrl_c_in_a_training_run_records_the_call_and_skips_export(
+    embedded, tmp_path, python_sigint
+):
     import json
     import signal
 
