@@ -807,18 +807,27 @@ def data_shares(cache_dir: Path) -> list[dict[str, Any]]:
     return list(read_json_object(Path(cache_dir) / MANIFEST).get("shares", []))
 
 
+def _extra_sets(recipe: TrainRecipe) -> list[tuple[str, str, Path]]:
+    """(recipe path, recipe name, data cache folder) of each `train.extra_data` set."""
+    from dspark_flow.training.recipe import extra_data_recipes
+
+    named = zip(recipe.train.extra_data, extra_data_recipes(recipe), strict=True)
+    return [(path, other.name, data_cache_dir(other)) for path, other in named]
+
+
+def _extra_set_missing(name: str, path: str, state: str) -> DsparkFlowError:
+    return DsparkFlowError(
+        f"train.extra_data: {name}'s data set is {state}; make it first: "
+        f"dspark-flow train {path} --stage data"
+    )
+
+
 def require_extra_data(recipe: TrainRecipe) -> None:
     """Each `train.extra_data` set is made (its manifest says complete): checked before this
     recipe's own data stage, which may take minutes, rather than after it."""
-    from dspark_flow.training.recipe import extra_data_recipes
-
-    for path, other in zip(recipe.train.extra_data, extra_data_recipes(recipe), strict=True):
-        cache = data_cache_dir(other)
+    for path, name, cache in _extra_sets(recipe):
         if read_json_object(cache / MANIFEST).get("complete") is not True:
-            raise DsparkFlowError(
-                f"train.extra_data: {other.name}'s data set is not made ({cache}); make it "
-                f"first: dspark-flow train {path} --stage data"
-            )
+            raise _extra_set_missing(name, path, f"not made ({cache})")
 
 
 def training_samples(
@@ -828,22 +837,16 @@ def training_samples(
     each `train.extra_data` recipe's, a prompt already met left out (the sets were made apart,
     so the same prompt may be in two). Returns the samples and, per extra set, where it came
     from and what it added."""
-    from dspark_flow.training.recipe import extra_data_recipes
-
     samples = list(own if own is not None else load_samples(data_cache_dir(recipe)))
     if not recipe.train.extra_data:
         return samples, []
     seen = {s.tokens[: s.prompt_len].tobytes() for s in samples}
     added: list[dict[str, Any]] = []
-    for path, other in zip(recipe.train.extra_data, extra_data_recipes(recipe), strict=True):
-        cache = data_cache_dir(other)
+    for path, name, cache in _extra_sets(recipe):
         try:
             theirs = load_samples(cache)
         except DsparkFlowError as exc:
-            raise DsparkFlowError(
-                f"train.extra_data: {other.name}'s data set is not ready ({exc}); make it first: "
-                f"dspark-flow train {path} --stage data"
-            ) from None
+            raise _extra_set_missing(name, path, f"not ready ({exc})") from None
         kept = 0
         for sample in theirs:
             prompt = sample.tokens[: sample.prompt_len].tobytes()
@@ -853,7 +856,7 @@ def training_samples(
                 kept += 1
         added.append(
             {
-                "recipe": other.name,
+                "recipe": name,
                 "cache": str(cache),
                 "samples": kept,
                 "repeats_left_out": len(theirs) - kept,
