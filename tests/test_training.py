@@ -836,6 +836,17 @@ TRAIN_DIR = Path(__file__).parent.parent / "recipes" / "train"
 TRAIN_RECIPES = sorted(TRAIN_DIR.glob("*.yaml"))
 
 
+def _repo_recipes(*kinds: str) -> list[TrainRecipe]:
+    """recipes/train/smollm2-135m-KIND.yaml, schema-validated only (their prompt files live in
+    ../shared, outside the repo)."""
+    return [
+        TrainRecipe.model_validate(
+            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
+        )
+        for k in kinds
+    ]
+
+
 @pytest.mark.parametrize("path", TRAIN_RECIPES, ids=lambda p: p.stem)
 def test_the_repos_training_recipes_validate(path):
     # Schema and cross-field checks only: their prompt files live in ../shared, outside the repo.
@@ -850,21 +861,12 @@ def test_the_repos_training_recipes_validate(path):
 
 def test_the_candidates_share_one_data_set():
     assert len(TRAIN_RECIPES) >= 5
-    a, b = (
-        TrainRecipe.model_validate(yaml.safe_load(path.read_text())).data
-        for path in TRAIN_RECIPES
-        if path.stem in ("smollm2-135m-dspark-more", "smollm2-135m-dflash-grow")
-    )
+    a, b = (r.data for r in _repo_recipes("dspark-more", "dflash-grow"))
     assert a == b and a.seed == 1  # one generated set (the cache key) serves both
 
 
 def test_the_dflash_candidate_continues_stage_1_on_its_data():
-    base, more = (
-        TrainRecipe.model_validate(
-            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
-        )
-        for k in ("dflash-base", "dflash-more")
-    )
+    base, more = _repo_recipes("dflash-base", "dflash-more")
     # one data section: the set made for stage 1 serves (a lease carries it)
     assert more.data == base.data
     assert (TRAIN_DIR / more.train.init_from).resolve() == (TRAIN_DIR / base.output).resolve()
@@ -873,12 +875,7 @@ def test_the_dflash_candidate_continues_stage_1_on_its_data():
 def test_the_shipped_dflash_recipe_is_stage_2_on_a_second_set_beside_stage_1s():
     from dspark_flow.training.recipe import load_train_recipe
 
-    base, shipped = (
-        TrainRecipe.model_validate(
-            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
-        )
-        for k in ("dflash-base", "dflash")
-    )
+    base, shipped = _repo_recipes("dflash-base", "dflash")
     # its own set: self prompts only (the prompt files are in stage 1's set), a second draw
     assert shipped.data.prompts == [] and shipped.data.seed != base.data.seed
     same = shipped.data.model_dump(exclude={"prompts", "seed", "self_prompts"})
@@ -894,12 +891,7 @@ def test_the_shipped_dflash_recipe_is_stage_2_on_a_second_set_beside_stage_1s():
 
 
 def test_the_dspark_candidate_trains_on_both_dflash_sets():
-    dflash, candidate = (
-        TrainRecipe.model_validate(
-            yaml.safe_load((TRAIN_DIR / f"smollm2-135m-{k}.yaml").read_text())
-        )
-        for k in ("dflash", "dspark-data2")
-    )
+    dflash, candidate = _repo_recipes("dflash", "dspark-data2")
     # its own set is the shipped DFlash recipe's (one cache key), stage 1's joins as extra data
     assert candidate.data == dflash.data
     assert candidate.train.extra_data == dflash.train.extra_data
