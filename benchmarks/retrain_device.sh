@@ -7,7 +7,8 @@
 # tree, untracked, as abprompts/ (cp -r ../shared/data/prompts abprompts; remove it after).
 # STEPS defaults to `auto`: the steps that fit before DEADLINE_S (see pipeline below);
 # BENCH_S > 0 benches the shipped recipe beside the new drafter after the export (move only the
-# other kind's drafter out of the tree to stay under the 64 MiB a call carries).
+# other kind's drafter out of the tree to stay under the 64 MiB a call carries; a candidate
+# benches beside the shipped recipe of its drafter's kind).
 # A recipe that warm-starts (stage 2: dflash, dspark; the candidates) needs its init_from in
 # the tree: carry out/drafters/<stage 1> (dflash also trains on stage 1's data set, extra_data:
 # carry it in .traindata/: the job makes only the named recipe's own set). dspark-data2 starts
@@ -77,11 +78,14 @@ pipeline() {  # the background job: data, train (until STEPS or the deadline), e
   echo "exported in $(( SECONDS - start )) s" >> "$JOB/train.log"
   # BENCH_S > 0: the shipped recipe beside the same recipe with the new drafter, one bench
   # (needs the shipped drafter of this kind in the tree; held-out prompts, 4 a category)
-  if [ "${BENCH_S:-0}" -gt 0 ] && [ -e "recipes/$kind.yaml" ]; then
+  # (a candidate such as dflash-deep benches against the shipped recipe of its drafter's kind)
+  local shipped
+  shipped=recipes/$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["drafter"]["kind"])' "$recipe").yaml
+  if [ "${BENCH_S:-0}" -gt 0 ] && [ -e "$shipped" ]; then
     sed -e "s|checkpoint: auto|checkpoint: $JOB/out/smollm2-135m-$kind|" \
-      -e "s|^name: $kind\$|name: $kind-new|" "recipes/$kind.yaml" > "$JOB/$kind-new.yaml"
+      -e "s|^name: .*\$|name: $kind-new|" "$shipped" > "$JOB/$kind-new.yaml"
     python3 -P benchmarks/heldout_prompts.py "$JOB/heldout.jsonl" --per-category 4
-    timeout -s INT "$BENCH_S" python3 -P -m dspark_flow.cli.main bench "recipes/$kind.yaml" \
+    timeout -s INT "$BENCH_S" python3 -P -m dspark_flow.cli.main bench "$shipped" \
       "$JOB/$kind-new.yaml" --prompts "$JOB/heldout.jsonl" --trials 2 --warmup-trials 1 \
       --max-tokens 128 --no-mlx-lm --no-verify-cost --no-plots --out "$JOB/bench" --quiet \
       > "$JOB/bench.log" 2>&1 || echo "bench cut short or failed" >> "$JOB/bench.log"
@@ -152,5 +156,5 @@ case "${1:-}" in
     wait_for_job "${WATCH_S:-540}"
     ;;
   watch) wait_for_job "${2:-570}" ;;
-  *) echo "usage: $0 start dflash-base|dflash|dspark-base|dspark|CANDIDATE [--set K=V ...] | watch SECONDS" >&2; exit 2 ;;
+  *) echo "usage: $0 start dflash-base|dflash|dspark-base|dspark|CANDIDATE (dflash-deep, dspark-data2, ...) [--set K=V ...] | watch SECONDS" >&2; exit 2 ;;
 esac

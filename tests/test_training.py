@@ -899,6 +899,18 @@ def test_the_dspark_candidate_trains_on_both_dflash_sets():
     assert "out/drafters" in candidate.output
 
 
+def test_the_deeper_dflash_candidate_grows_the_shipped_drafter_on_its_data():
+    dflash, candidate = _repo_recipes("dflash", "dflash-deep")
+    # the shipped recipe's sets (one cache key, stage 1's as extra data), two layers added
+    assert candidate.data == dflash.data
+    assert candidate.train.extra_data == dflash.train.extra_data
+    assert candidate.drafter.num_layers == dflash.drafter.num_layers + 2
+    same = {"num_layers"}
+    assert candidate.drafter.model_dump(exclude=same) == dflash.drafter.model_dump(exclude=same)
+    assert candidate.train.init_from.endswith("dspark_flow/data/drafters/smollm2-135m-dflash")
+    assert "out/drafters" in candidate.output
+
+
 # -- the drafters shipped in the wheel -------------------------------------------------------------
 
 
