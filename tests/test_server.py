@@ -427,7 +427,23 @@ OPENAI_CASES = [
         BEARER,
         b'{"model": "lookup", "messages": [{"role": "user", "content": "\\ud800"}]}',
         400,
-        "messages",
+        "messages[0].content",
+    ),
+    (  # the field named, not the prompt position (a system prompt shifted it)
+        "lone surrogate, text part",
+        "/v1/chat/completions",
+        BEARER,
+        b'{"model": "lookup", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\\udfff"}]}]}',
+        400,
+        "messages[0].content[1].text",
+    ),
+    (
+        "image part",
+        "/v1/chat/completions",
+        BEARER,
+        {**GOOD_CHAT, "messages": [*SHORT, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[1].content",
     ),
     (
         "json mode",
@@ -556,6 +572,15 @@ def test_anthropic_bad_requests(server, name, headers, body, status, kind):
     assert r.status_code == status, r.text
     data = r.json()
     assert data["type"] == "error" and data["error"]["type"] == kind and data["error"]["message"]
+
+
+def test_anthropic_names_the_system_prompt_it_refuses(server):
+    # Found by the server audit of 2026-12-05: blamed messages[0], where the prompt puts it.
+    body = b'{"model": "lookup", "max_tokens": 2, "system": "\\udfff", "messages": [{"role": "user", "content": "Hi"}]}'
+    r = _post(server, "/v1/messages", XKEY, body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("system is not valid UTF-8") and "messages" not in message
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from dspark_flow.server.common import (
     check_stops,
     parts_text,
     sse,
+    utf8_text,
 )
 from dspark_flow.server.engine import Job
 
@@ -37,6 +38,13 @@ class Message(Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, value: Any) -> Any:
+        if isinstance(value, list):  # other block types refused here, where the 400 names them
+            _blocks_text(value)
+        return utf8_text(value)
+
 
 def _check_content(messages: list[Message], system: Any, tools: Any, tool_choice: Any) -> None:
     """What /v1/messages and count_tokens both refuse: 400s, not a 500 from encoding later."""
@@ -44,8 +52,8 @@ def _check_content(messages: list[Message], system: Any, tools: Any, tool_choice
         raise ValueError("tools are not supported")
     if tool_choice is not None and tool_choice != {"type": "none"}:
         raise ValueError("tool_choice is not supported (no tools are served)")
-    if system is not None:
-        _blocks_text(system)
+    if system is not None:  # named here: the prompt puts it first, before messages[0]
+        utf8_text(_blocks_text(system), "system")
     for i, message in enumerate(messages):
         text = _blocks_text(message.content)
         prefill = i == len(messages) - 1 and message.role == "assistant"

@@ -8,12 +8,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.requests import ClientDisconnect, Request
 
-from dspark_flow.errors import DsparkFlowError
+from dspark_flow.errors import DsparkFlowError, PromptError
 from dspark_flow.log import get_logger
-from dspark_flow.pipeline import stop_strings
+from dspark_flow.pipeline import check_text, stop_strings
 from dspark_flow.result import GenResult
 
 log = get_logger()
@@ -28,11 +28,28 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+def utf8_text(value: Any, where: str = "it") -> Any:
+    """Text that cannot be UTF-8 (a JSON escape such as \\ud800 decodes to a lone surrogate)
+    as a validator's ValueError, so the 400 names the field it is in rather than the prompt the
+    fields become (the tokenizer itself would raise a bare TypeError)."""
+    if isinstance(value, str):
+        try:
+            check_text(value, where)
+        except PromptError as e:
+            raise ValueError(str(e)) from None
+    return value
+
+
 class TextPart(Strict):
     """One piece of message content (OpenAI: a content part, Anthropic: a content block)."""
 
     type: str
     text: str | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _utf8(cls, value: str | None) -> str | None:
+        return utf8_text(value)
 
 
 def parts_text(content: str | list[TextPart], noun: str) -> str:

@@ -24,6 +24,7 @@ from dspark_flow.server.common import (
     check_stops,
     parts_text,
     sse,
+    utf8_text,
 )
 from dspark_flow.server.engine import Job
 
@@ -36,6 +37,13 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[Any] | None = None
     function_call: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, value: Any) -> Any:
+        if isinstance(value, list):  # other part types refused here, where the 400 names them
+            parts_text(value, "part")
+        return utf8_text(value)
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -140,8 +148,6 @@ class ChatCompletionRequest(_Common):
         for name in ("tool_choice", "function_call"):  # "required" with no tools cannot be met
             if getattr(self, name) not in (None, "none"):
                 raise ValueError(f"{name} is not supported (no tools are served)")
-        for message in self.messages:
-            message.text()  # raises on non-text parts
         return self
 
     @property

@@ -45,8 +45,6 @@ def encode_chat(
     system = engine.pipeline.recipe.prompt.system
     if system and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
-    for i, message in enumerate(messages):
-        _check_text(message["content"], f"messages[{i}].content", "messages")
     prefill = ""
     if continue_last and messages and messages[-1]["role"] == "assistant":
         prefill = messages[-1]["content"]
