@@ -650,6 +650,8 @@ def test_a_resumed_warm_start_keeps_its_record_and_its_source(embedded, samples,
 def test_a_warm_start_that_cannot_fit_fails_in_one_line(embedded, tmp_path):
     import json
 
+    from dspark_flow.training.warm_start import check_init_from
+
     model, tok = embedded
     two = DrafterTrainer(small_recipe("dspark", layers=2), progress=False, checkpoints=tmp_path)
     src = two.warm_up(model, tok).export(tmp_path / "two", quantize=None)
@@ -676,11 +678,25 @@ def test_a_warm_start_that_cannot_fit_fails_in_one_line(embedded, tmp_path):
         mx.save_safetensors(str(bad / "model.safetensors"), weights)
         message = "does not use" if name == "extra" else "has shape"
         cases.append((small_recipe("dspark", layers=2, init_from=str(bad)), message))
+    # A truncated weights file (an interrupted copy).
+    cut = tmp_path / "cut"
+    shutil.copytree(src, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases.append((small_recipe("dspark", layers=2, init_from=str(cut)), "cannot read"))
     for recipe, message in cases:
         trainer = DrafterTrainer(recipe, progress=False, checkpoints=tmp_path / "x")
         with pytest.raises(DsparkFlowError, match=message) as info:
             trainer.warm_up(model, tok).start_from_init()
         assert "\n" not in str(info.value)
+    # What the recipe states (kind, depth, taps) and the weights' file are checked before any
+    # work and by `train --check`, without the target (found by the CLI audit of 2026-12-05).
+    early = [c for c in cases if c[1] not in ("rope_theta 1234.0", "does not use", "has shape")]
+    for recipe, message in early:
+        with pytest.raises(DsparkFlowError, match=message) as info:
+            check_init_from(recipe)
+        assert "\n" not in str(info.value)
+    check_init_from(small_recipe("dspark", layers=2, init_from=str(src)))  # it fits
 
 
 def test_quantized_export_loads_and_stays_lossless(embedded, samples, tmp_path):

@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
                 "run stops there, before making the data)",
                 file=sys.stderr,
             )
+        elif start:
+            from dspark_flow.training.warm_start import check_init_from
+
+            check_init_from(recipe)
         _check_against_target_on_disk(recipe)
         print(f"{args.recipe}: ok ({recipe.drafter.kind}, block {recipe.drafter.block_size})")
         return 0

@@ -117,7 +117,7 @@ def run_training(
     from dspark_flow.training.data import require_extra_data, training_samples
     from dspark_flow.training.recipe import check_output
     from dspark_flow.training.trainer import DrafterTrainer, training_weight_format, work_dir
-    from dspark_flow.training.warm_start import require_init_from
+    from dspark_flow.training.warm_start import check_init_from
 
     t_start = time.perf_counter()
     worker = check_call(recipe, stages, data_worker)
@@ -136,7 +136,7 @@ def run_training(
     trainer = DrafterTrainer(recipe, progress=progress)
     if "train" in stages and (fresh or trainer.latest_checkpoint() is None):
         # A new drafter's warm start must be there before hours of data making, not after.
-        require_init_from(recipe.train.init_from)
+        check_init_from(recipe)
     if "train" in stages:
         require_extra_data(recipe)  # (the same: before this recipe's own data is made)
     out = recipe.output_dir()

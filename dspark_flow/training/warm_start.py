@@ -91,6 +91,39 @@ def require_init_from(source: str | Path | None) -> None:
         )
 
 
+def check_init_from(recipe: Any) -> None:
+    """Before any work (and in `train --check`): the recipe's `train.init_from`, when set, is a
+    drafter directory whose weights load and whose settings the recipe states (kind, block,
+    taps, mask token, no more layers) match. `start_from` checks the rest (the settings the
+    target decides) when training starts."""
+    from dspark_flow.models.drafter_loading import read_spec
+
+    source = recipe.train.init_from
+    if source is None:
+        return
+    require_init_from(source)
+    where = f"train.init_from {source}"
+    spec = read_spec(Path(source))
+    arch = recipe.drafter
+    if spec.layout != _LAYOUT_OF_KIND[arch.kind]:
+        raise DsparkFlowError(f"{where} is a {spec.layout} drafter; this recipe trains {arch.kind}")
+    pairs = [
+        ("block_size", spec.block_size, arch.block_size),
+        ("target_layer_ids", list(spec.target_layer_ids), list(arch.target_layer_ids)),
+    ]
+    if arch.mask_token_id is not None:
+        pairs.append(("mask_token_id", spec.mask_token_id, arch.mask_token_id))
+    for name, have, want in pairs:
+        if have != want:
+            raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
+    if spec.backbone.num_layers > arch.num_layers:
+        raise DsparkFlowError(
+            f"{where} has {spec.backbone.num_layers} layers, more than the recipe's "
+            f"drafter.num_layers {arch.num_layers} (layers can be added, not dropped)"
+        )
+    _source_weights(spec)  # a truncated or foreign weights file: now, not after the data
+
+
 def start_from(
     model: nn.Module, ours: Any, source: Path, kind: str, mask_token_id: int, dtype: mx.Dtype
 ) -> dict[str, Any]:
