@@ -717,3 +717,14 @@ def test_max_draft_and_a_set_of_the_cap_s_kind_are_refused_together(capsys):
     assert capsys.readouterr().err == (
         "error: --max-draft 2000: expected auto or a count from 1 to 1024\n"
     )
+
+
+def test_run_says_when_no_stop_rule_bounds_the_output(capsys):
+    """`stop: []` or end rules only are valid, but the output then runs to the context's end:
+    a run that looks hung says so first (found by the CLI audit of 2026-12-05)."""
+    prompt = "What is the capital of France?"
+    assert main(["run", QUICKSTART, "--prompt", prompt, "--set", "stop=[{kind: eos}]"]) == 0
+    out = capsys.readouterr()
+    assert "note: no stop rule sets a token budget" in out.err and "Paris" in out.out
+    assert main(["run", QUICKSTART, "--prompt", prompt, "--max-tokens", "2"]) == 0
+    assert "no stop rule" not in capsys.readouterr().err

@@ -83,18 +83,34 @@ def _run(args: argparse.Namespace) -> int:
     pipeline = Pipeline.from_yaml(args.recipe, args.overrides, defaults=TOOL_DEFAULTS)
     if args.max_draft is not None and pipeline.recipe.drafter.kind == "none":
         print("note: --max-draft does nothing with drafter none (plain decoding)", file=sys.stderr)
+    if args.max_tokens is None and all(rule.token_budget is None for rule in pipeline.stops):
+        # `stop: []` or end rules only: valid, but a run that looks hung without a word
+        print(
+            "note: no stop rule sets a token budget: the output runs until an end rule fires "
+            "or the context is full (--max-tokens N caps it)",
+            file=sys.stderr,
+        )
     pipeline.warm_up()
+    shown = False
 
     def show(piece: str) -> None:
+        nonlocal shown
+        shown = True
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = pipeline.generate(
-        prompt,
-        max_new_tokens=args.max_tokens,
-        chat=False if args.no_chat else None,
-        on_text=None if args.json else show,
-    )
+    try:
+        result = pipeline.generate(
+            prompt,
+            max_new_tokens=args.max_tokens,
+            chat=False if args.no_chat else None,
+            on_text=None if args.json else show,
+        )
+    except KeyboardInterrupt:
+        if shown:  # end the streamed line: "interrupted" would stick to the text on a terminal
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     if args.json:
         from dspark_flow.cli.main import print_json
 
