@@ -8,6 +8,7 @@ directory (the store's own override, so the user's model cache is left where it 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def test_a_cache_file_too_deep_or_with_infinite_depths_is_replaced(tiny, tmp_pat
     ],
     ids=["corrupt", "wrong-version", "malformed-curves", "zero-cost", "infinite-cost", "short"],
 )
-def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, content):
+def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, content, caplog):
     store = CurveStore(tmp_path)
     _, path, _ = obtain_curves(tiny, lookup(), store=store, **FAST)
     if content == "PLACEHOLDER_WRONG_SHAPE":
@@ -201,8 +202,13 @@ def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, c
         data["curves"]["verify"][0][0] = 0.0 if content.endswith("ZERO") else float("inf")
         content = json.dumps(data)
     path.write_text(content)
-    curves, path2, measured = obtain_curves(tiny, lookup(), store=store, **FAST)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        curves, path2, measured = obtain_curves(tiny, lookup(), store=store, **FAST)
     assert measured and path2 == path and counted["verify"] == 2
+    # said once, though the store looks again once it holds the measuring lock
+    said = [r for r in caplog.records if "re-measuring" in r.getMessage()]
+    assert [r.levelno > logging.DEBUG for r in said] == [True, False], said
     assert json.loads(path.read_text())["curves"]["verify"] == curves.verify
 
 

@@ -235,19 +235,23 @@ class CurveStore:
     def path_for(self, key: dict[str, Any]) -> Path:
         return self.root / f"{key_digest(key)}.json"
 
-    def load(self, key: dict[str, Any]) -> Curves | None:
-        """The cached curves for `key`, or None when absent or unusable (never raises)."""
+    def load(self, key: dict[str, Any], quiet: bool = False) -> Curves | None:
+        """The cached curves for `key`, or None when absent or unusable (never raises; `quiet`:
+        a second look that would repeat the first one's warning)."""
         path = self.path_for(key)
+        warn = log.debug if quiet else log.warning
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
-            log.warning("calibration cache unreadable, re-measuring", path=str(path), error=str(e))
+            warn("calibration cache unreadable, re-measuring", path=str(path), error=str(e))
             return None
         try:
             if data.get("version") != VERSION:
-                log.info("calibration cache of another version, re-measuring", path=str(path))
+                (log.debug if quiet else log.info)(
+                    "calibration cache of another version, re-measuring", path=str(path)
+                )
                 return None
             if data.get("key") != key:  # a digest collision or a hand-edited file
                 return None
@@ -256,7 +260,7 @@ class CurveStore:
             return curves
         except (AttributeError, KeyError, TypeError, ValueError, ArithmeticError) as e:
             # ArithmeticError: int(Infinity) and the like
-            log.warning("calibration cache malformed, re-measuring", path=str(path), error=str(e))
+            warn("calibration cache malformed, re-measuring", path=str(path), error=str(e))
             return None
 
     def save(self, key: dict[str, Any], curves: Curves) -> Path | None:
@@ -281,7 +285,7 @@ class CurveStore:
         with self._measuring(key):
             # Another process may have measured them while this one waited: two measuring at
             # once would time each other's load, and cache the slowed curves.
-            if not force and (cached := self.load(key)) is not None:
+            if not force and (cached := self.load(key, quiet=True)) is not None:
                 return cached, False, self.path_for(key)
             curves = measure()
             return curves, True, self.save(key, curves)
