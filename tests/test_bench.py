@@ -283,11 +283,16 @@ def test_report_schema_through_cli(tmp_path, capsys):
     assert main(["bench", "--from-json", str(out / "bench.json"), "--out", str(again)]) == 0
     assert json.loads((again / "bench.json").read_text()) == data
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({"meta": {}, "runs": [{"x": 1}], "summary": []}))
+    broken.write_text(json.dumps({"meta": {"schema": 1}, "runs": [{"x": 1}], "summary": []}))
     capsys.readouterr()
     assert main(["bench", "--from-json", str(broken), "--out", str(out), "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "is not a bench.json this version can render" in err and len(err.splitlines()) == 1
+    # a later format is named as such, not rendered until a field is missing
+    broken.write_text(json.dumps({**data, "meta": {**data["meta"], "schema": 999}}))
+    assert main(["bench", "--from-json", str(broken), "--out", str(out), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {broken} is bench.json format 999; this version renders format 1\n"
     assert (out / "bench.json").read_bytes() == saved
     if has_matplotlib():  # renders as Markdown, fails in a plot: still nothing replaced
         plots_fail = {

@@ -771,6 +771,15 @@ def test_block_size_zero_fails_validation():
     assert str(e.value).startswith("r.yaml:")
 
 
+def test_an_empty_training_recipe_is_one_line():
+    for text in ("", "# only a comment\n"):
+        with pytest.raises(RecipeError) as e:
+            loads_train_recipe(text, "r.yaml")
+        assert str(e.value) == (
+            "r.yaml: the training recipe is empty (it needs at least a name and a data section)"
+        )
+
+
 def test_missing_prompt_file_fails_validation(tmp_path):
     text = "name: bad\ndata:\n  prompts:\n    - {path: nowhere.jsonl}\n"
     with pytest.raises(RecipeError, match=r"data.prompts\[0\].path: prompt file not found"):

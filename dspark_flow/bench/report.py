@@ -89,6 +89,11 @@ def load_json(path: str | Path) -> dict[str, Any]:
         raise DsparkFlowError(f"cannot read bench results {path}: {e}") from e
     if not isinstance(data, dict) or not {"meta", "runs", "summary"} <= set(data):
         raise DsparkFlowError(f"{path} is not a bench.json (needs meta, runs and summary)")
+    schema = data["meta"].get("schema") if isinstance(data["meta"], dict) else None
+    if schema != SCHEMA_VERSION:  # a later version's fields would fail deep in the rendering
+        raise DsparkFlowError(
+            f"{path} is bench.json format {schema!r}; this version renders format {SCHEMA_VERSION}"
+        )
     if data["runs"] == []:
         raise DsparkFlowError(f"{path} holds no runs: nothing to render")
     return data

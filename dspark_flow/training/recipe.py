@@ -356,6 +356,10 @@ def loads_train_recipe(
     from dspark_flow.recipe.load import apply_overrides, parse_yaml, validate_model
 
     data, root = parse_yaml(text, source)
+    if data is None and not overrides:  # an empty or all-comment file: one line, not one a field
+        raise RecipeError(
+            f"{source}: the training recipe is empty (it needs at least a name and a data section)"
+        )
     if data is None:
         data = {}
     if not isinstance(data, dict):
