@@ -283,7 +283,7 @@ def test_report_schema_through_cli(tmp_path, capsys):
     assert main(["bench", "--from-json", str(out / "bench.json"), "--out", str(again)]) == 0
     assert json.loads((again / "bench.json").read_text()) == data
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({"meta": {"schema": 1}, "runs": [{"x": 1}], "summary": []}))
+    broken.write_text(json.dumps({"meta": {}, "runs": [{"x": 1}], "summary": []}))
     capsys.readouterr()
     assert main(["bench", "--from-json", str(broken), "--out", str(out), "--no-plots"]) == 2
     err = capsys.readouterr().err

@@ -186,7 +186,9 @@ def test_a_cache_file_too_deep_or_with_infinite_depths_is_replaced(tiny, tmp_pat
     ],
     ids=["corrupt", "wrong-version", "malformed-curves", "zero-cost", "infinite-cost", "short"],
 )
-def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, content, caplog):
+def test_an_unusable_cache_file_is_replaced_not_fatal(
+    tiny, tmp_path, counted, content, caplog, monkeypatch
+):
     store = CurveStore(tmp_path)
     _, path, _ = obtain_curves(tiny, lookup(), store=store, **FAST)
     if content == "PLACEHOLDER_WRONG_SHAPE":
@@ -203,7 +205,9 @@ def test_an_unusable_cache_file_is_replaced_not_fatal(tiny, tmp_path, counted, c
         content = json.dumps(data)
     path.write_text(content)
     caplog.clear()
-    with caplog.at_level(logging.DEBUG):
+    # (a CLI test run before this one configured logging, which stops propagation to caplog)
+    monkeypatch.setattr(logging.getLogger("dspark_flow"), "propagate", True)
+    with caplog.at_level(logging.DEBUG, logger="dspark_flow"):
         curves, path2, measured = obtain_curves(tiny, lookup(), store=store, **FAST)
     assert measured and path2 == path and counted["verify"] == 2
     # said once, though the store looks again once it holds the measuring lock

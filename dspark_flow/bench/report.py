@@ -89,10 +89,12 @@ def load_json(path: str | Path) -> dict[str, Any]:
         raise DsparkFlowError(f"cannot read bench results {path}: {e}") from e
     if not isinstance(data, dict) or not {"meta", "runs", "summary"} <= set(data):
         raise DsparkFlowError(f"{path} is not a bench.json (needs meta, runs and summary)")
-    schema = data["meta"].get("schema") if isinstance(data["meta"], dict) else None
-    if schema != SCHEMA_VERSION:  # a later version's fields would fail deep in the rendering
+    meta = data["meta"]
+    if isinstance(meta, dict) and "schema" in meta and meta["schema"] != SCHEMA_VERSION:
+        # a later version's fields would fail deep in the rendering, named as a Python error
         raise DsparkFlowError(
-            f"{path} is bench.json format {schema!r}; this version renders format {SCHEMA_VERSION}"
+            f"{path} is bench.json format {meta['schema']!r}; this version renders format "
+            f"{SCHEMA_VERSION}"
         )
     if data["runs"] == []:
         raise DsparkFlowError(f"{path} holds no runs: nothing to render")

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 "run stops there, before making the data)",
                 file=sys.stderr,
             )
-        elif start:
+        elif start and "train" in stages:  # (only training reads it)
             from dspark_flow.training.warm_start import check_init_from
 
             check_init_from(recipe)
