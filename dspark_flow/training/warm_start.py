@@ -59,27 +59,40 @@ def _source_weights(spec: Any) -> dict[str, mx.array]:
     return dict(tree_flatten(skeleton.parameters()))
 
 
-def _check_settings(source: Any, ours: Any, kind: str, mask_token_id: int, where: str) -> None:
-    """Everything but the depth must match: settings that change no tensor shape (RoPE base,
-    norm epsilon, the heads x head_dim split, causality, taps) would load silently wrong."""
+def _check_stated(
+    source: Any, kind: str, arch: Any, mask_token_id: int | None, layers: int, where: str
+) -> None:
+    """What a recipe states of its drafter (kind, block, taps, mask token, depth) against the
+    source's spec; `arch` carries block_size and target_layer_ids, a mask token of None is
+    not compared."""
     if source.layout != _LAYOUT_OF_KIND[kind]:
         raise DsparkFlowError(f"{where} is a {source.layout} drafter; this recipe trains {kind}")
     pairs = [
-        ("block_size", source.block_size, ours.block_size),
-        ("target_layer_ids", source.target_layer_ids, ours.target_layer_ids),
-        ("mask_token_id", source.mask_token_id, mask_token_id),
+        ("block_size", source.block_size, arch.block_size),
+        ("target_layer_ids", list(source.target_layer_ids), list(arch.target_layer_ids)),
     ]
+    if mask_token_id is not None:
+        pairs.append(("mask_token_id", source.mask_token_id, mask_token_id))
+    for name, have, want in pairs:
+        if have != want:
+            raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
+    if source.backbone.num_layers > layers:
+        raise DsparkFlowError(
+            f"{where} has {source.backbone.num_layers} layers, more than the recipe's "
+            f"drafter.num_layers {layers} (layers can be added, not dropped)"
+        )
+
+
+def _check_settings(source: Any, ours: Any, kind: str, mask_token_id: int, where: str) -> None:
+    """Everything but the depth must match: settings that change no tensor shape (RoPE base,
+    norm epsilon, the heads x head_dim split, causality, taps) would load silently wrong."""
+    _check_stated(source, kind, ours, mask_token_id, ours.backbone.num_layers, where)
     a, b = dataclasses.asdict(source.backbone), dataclasses.asdict(ours.backbone)
-    pairs += [(k, a[k], b[k]) for k in sorted(b) if k not in _MAY_DIFFER]
+    pairs = [(k, a[k], b[k]) for k in sorted(b) if k not in _MAY_DIFFER]
     pairs += [(k, source.extra.get(k), v) for k, v in sorted(ours.extra.items())]
     for name, have, want in pairs:
         if have != want:
             raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
-    if source.backbone.num_layers > ours.backbone.num_layers:
-        raise DsparkFlowError(
-            f"{where} has {source.backbone.num_layers} layers, more than the recipe's "
-            f"drafter.num_layers {ours.backbone.num_layers} (layers can be added, not dropped)"
-        )
 
 
 def require_init_from(source: str | Path | None) -> None:
@@ -102,25 +115,10 @@ def check_init_from(recipe: Any) -> None:
     if source is None:
         return
     require_init_from(source)
-    where = f"train.init_from {source}"
     spec = read_spec(Path(source))
     arch = recipe.drafter
-    if spec.layout != _LAYOUT_OF_KIND[arch.kind]:
-        raise DsparkFlowError(f"{where} is a {spec.layout} drafter; this recipe trains {arch.kind}")
-    pairs = [
-        ("block_size", spec.block_size, arch.block_size),
-        ("target_layer_ids", list(spec.target_layer_ids), list(arch.target_layer_ids)),
-    ]
-    if arch.mask_token_id is not None:
-        pairs.append(("mask_token_id", spec.mask_token_id, arch.mask_token_id))
-    for name, have, want in pairs:
-        if have != want:
-            raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
-    if spec.backbone.num_layers > arch.num_layers:
-        raise DsparkFlowError(
-            f"{where} has {spec.backbone.num_layers} layers, more than the recipe's "
-            f"drafter.num_layers {arch.num_layers} (layers can be added, not dropped)"
-        )
+    where = f"train.init_from {source}"
+    _check_stated(spec, arch.kind, arch, arch.mask_token_id, arch.num_layers, where)
     _source_weights(spec)  # a truncated or foreign weights file: now, not after the data
 
 
