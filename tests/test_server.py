@@ -429,7 +429,7 @@ OPENAI_CASES = [
         400,
         "messages[0].content",
     ),
-    (  # the field named, not the prompt position (a system prompt shifted it)
+    (  # the part named, not only its message
         "lone surrogate, text part",
         "/v1/chat/completions",
         BEARER,
