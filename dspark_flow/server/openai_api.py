@@ -168,6 +168,13 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _utf8(cls, value: Any) -> Any:
+        for text in value if isinstance(value, list) else [value]:
+            utf8_text(text)  # token ids pass through
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.echo or self.suffix or (self.best_of not in (None, 1)):

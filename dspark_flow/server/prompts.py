@@ -9,22 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dspark_flow.errors import PromptError
-from dspark_flow.pipeline import check_text
 from dspark_flow.server.common import ApiError
 from dspark_flow.server.engine import Engine
 
 # An over-long prompt gets its own 400 below (`check_budget`); transformers' warning about the
 # same prompt, printed while encoding it, would only put a misleading line in the server's log.
 logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
-
-
-def _check_text(text: Any, where: str, param: str) -> None:
-    if isinstance(text, str):
-        try:
-            check_text(text, where)
-        except PromptError as e:  # a JSON escape such as \ud800 decodes to a lone surrogate
-            raise ApiError(400, str(e), param=param) from None
 
 
 # Below this, logits / T overflows float32 and the distribution is a point mass anyway.
@@ -64,8 +54,7 @@ def encode_chat(
 
 def encode_text(engine: Engine, prompt: str | list[int]) -> list[int]:
     """A raw completion prompt: text (no chat template) or token ids checked against the vocab."""
-    if isinstance(prompt, str):
-        _check_text(prompt, "prompt", "prompt")
+    if isinstance(prompt, str):  # (its text checked with the request's other fields)
         return list(engine.tokenizer.encode(prompt))
     vocab = engine.pipeline.vocab_size  # the embedding's rows, as the Python API checks
     if any(not 0 <= t < vocab for t in prompt):
