@@ -936,6 +936,21 @@ def test_the_deeper_dflash_candidate_grows_the_shipped_drafter_on_its_data():
     assert "out/drafters" in candidate.output
 
 
+def test_the_third_set_candidate_adds_a_new_draw_to_both_shipped_sets():
+    base, dflash, candidate = _repo_recipes("dflash-base", "dflash", "dflash-data3")
+    # a third draw of self prompts, begun otherwise; the shipped recipe's two sets beside it
+    assert candidate.data.prompts == [] and candidate.data.seed not in {0, dflash.data.seed}
+    assert candidate.data.self_prompt_starts != dflash.data.self_prompt_starts
+    assert candidate.data != base.data and candidate.data != dflash.data  # its own cache key
+    assert candidate.train.extra_data == [
+        "smollm2-135m-dflash-base.yaml",
+        "smollm2-135m-dflash.yaml",
+    ]
+    assert candidate.drafter == dflash.drafter
+    assert candidate.train.init_from.endswith("dspark_flow/data/drafters/smollm2-135m-dflash")
+    assert "out/drafters" in candidate.output
+
+
 # -- the drafters shipped in the wheel -------------------------------------------------------------
 
 
