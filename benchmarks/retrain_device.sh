@@ -5,7 +5,8 @@
 #
 # Staged as benchmarks/train_device.sh says (the model parts); the prompt sets travel in the
 # tree, untracked, as abprompts/ (cp -r ../shared/data/prompts abprompts; remove it after).
-# STEPS defaults to `auto`: the steps that fit before DEADLINE_S (see pipeline below);
+# STEPS defaults to `auto`: the steps that fit before DEADLINE_S (see pipeline below); STEPS=0
+# makes the data set only and sends it home (a lease too short to train after making it);
 # BENCH_S > 0 benches the shipped recipe beside the new drafter after the export (move only the
 # other kind's drafter out of the tree to stay under the 64 MiB a call carries; a candidate
 # benches beside the shipped recipe of its drafter's kind).
@@ -49,6 +50,11 @@ pipeline() {  # the background job: data, train (until STEPS or the deadline), e
     touch "$JOB/data.sent"
   fi
   touch "$JOB/data.done"
+  if [ "${STEPS:-auto}" = 0 ]; then  # data only: a lease too short to train sends the set home
+    echo "data only (STEPS=0)" > "$JOB/train.log"
+    touch "$JOB/done"
+    return 0
+  fi
   # training ends EXPORT_S before the deadline, leaving the export its time
   local left=$(( ${DEADLINE_S:-1480} - ${EXPORT_S:-40} - (SECONDS - start) ))
   # STEPS=auto: as many steps as the time left holds (STEP_MS a step after COMPILE_S of
