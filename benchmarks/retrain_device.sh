@@ -10,10 +10,11 @@
 # BENCH_S > 0 benches the shipped recipe beside the new drafter after the export (move only the
 # other kind's drafter out of the tree to stay under the 64 MiB a call carries; a candidate
 # benches beside the shipped recipe of its drafter's kind).
-# A recipe that warm-starts (stage 2: dflash, dspark; the candidates) needs its init_from in
-# the tree: carry out/drafters/<stage 1> (dflash also trains on stage 1's data set, extra_data:
-# carry it in .traindata/: the job makes only the named recipe's own set). dspark-data2 starts
-# from the shipped DSpark drafter (in the tree) and trains on both DFlash sets: carry both.
+# A recipe that warm-starts (dflash-stage2, dflash, dspark; the candidates) needs its init_from
+# in the tree: carry out/drafters/<the stage before> (DFlash's stages 2 and 3 also train on the
+# sets of the stages before, extra_data: carry them in .traindata/; the job makes only the named
+# recipe's own set). dspark-data2 starts from the shipped DSpark drafter (in the tree) and
+# trains on DFlash's first two sets: carry both.
 # Calls, back to back (the machine goes back after 30 s idle, and the job with it: on
 # 2026-12-04 a watch call sent ~40 s after the last found a fresh machine, the run lost):
 #   DEADLINE_S=1320 BENCH_S=300 bash benchmarks/retrain_device.sh start dflash [--set K=V ...]
@@ -134,7 +135,7 @@ wait_for_job() {  # wait up to $1 s for the job to finish, then bring back what 
 
 case "${1:-}" in
   start)
-    shift; kind=${1:?name the recipe: dflash-base, dflash, dspark-base or dspark}
+    shift; kind=${1:?name the recipe: dflash-base, dflash-stage2, dflash, dspark-base or dspark}
     if [ -e "$JOB/pid" ] && kill -0 "$(cat "$JOB/pid")" 2> /dev/null; then
       echo "a job is running on this machine: watch it" >&2; exit 2
     fi
@@ -162,5 +163,5 @@ case "${1:-}" in
     wait_for_job "${WATCH_S:-540}"
     ;;
   watch) wait_for_job "${2:-570}" ;;
-  *) echo "usage: $0 start dflash-base|dflash|dspark-base|dspark|CANDIDATE (dflash-deep, dspark-data2, ...) [--set K=V ...] | watch SECONDS" >&2; exit 2 ;;
+  *) echo "usage: $0 start dflash-base|dflash-stage2|dflash|dspark-base|dspark|CANDIDATE (dflash-deep, dspark-data2, ...) [--set K=V ...] | watch SECONDS" >&2; exit 2 ;;
 esac

@@ -897,57 +897,58 @@ def test_the_dflash_candidate_continues_stage_1_on_its_data():
     assert (TRAIN_DIR / more.train.init_from).resolve() == (TRAIN_DIR / base.output).resolve()
 
 
-def test_the_shipped_dflash_recipe_is_stage_2_on_a_second_set_beside_stage_1s():
+def test_the_dflash_stages_chain_each_a_new_set_beside_the_last_ones():
     from dspark_flow.training.recipe import load_train_recipe
 
-    base, shipped = _repo_recipes("dflash-base", "dflash")
-    # its own set: self prompts only (the prompt files are in stage 1's set), a second draw
-    assert shipped.data.prompts == [] and shipped.data.seed != base.data.seed
-    same = shipped.data.model_dump(exclude={"prompts", "seed", "self_prompts"})
+    base, stage2, shipped = _repo_recipes("dflash-base", "dflash-stage2", "dflash")
+    # stage 2's own set: self prompts only (the prompt files are in stage 1's set), a second draw
+    assert stage2.data.prompts == [] and stage2.data.seed != base.data.seed
+    same = stage2.data.model_dump(exclude={"prompts", "seed", "self_prompts"})
     assert same == base.data.model_dump(exclude={"prompts", "seed", "self_prompts"})
-    assert shipped.train.extra_data == ["smollm2-135m-dflash-base.yaml"]
-    assert (TRAIN_DIR / shipped.train.init_from).resolve() == (TRAIN_DIR / base.output).resolve()
-    assert "dspark_flow/data/drafters" in shipped.output and "out/drafters" in base.output
+    assert stage2.train.extra_data == ["smollm2-135m-dflash-base.yaml"]
+    # stage 3 (shipped): a third draw begun otherwise, its own cache key, both sets beside it
+    assert shipped.data.prompts == [] and shipped.data.seed not in {0, stage2.data.seed}
+    assert shipped.data.self_prompt_starts != stage2.data.self_prompt_starts
+    assert shipped.data not in (base.data, stage2.data)
+    assert shipped.train.extra_data == [
+        "smollm2-135m-dflash-base.yaml",
+        "smollm2-135m-dflash-stage2.yaml",
+    ]
+    assert shipped.drafter == stage2.drafter == base.drafter
+    # each stage warm-starts from the last one's output; only the last ships
+    for earlier, later in ((base, stage2), (stage2, shipped)):
+        assert (TRAIN_DIR / later.train.init_from).resolve() == (
+            TRAIN_DIR / earlier.output
+        ).resolve()
+    assert "dspark_flow/data/drafters" in shipped.output
+    assert "out/drafters" in base.output and "out/drafters" in stage2.output
     if (TRAIN_DIR / "../../../shared/data/prompts").is_dir():  # path checks need the prompt sets
         loaded = load_train_recipe(TRAIN_DIR / "smollm2-135m-dflash.yaml")
         assert loaded.train.extra_data == [
-            str((TRAIN_DIR / "smollm2-135m-dflash-base.yaml").resolve())
+            str((TRAIN_DIR / f"smollm2-135m-dflash-{s}.yaml").resolve()) for s in ("base", "stage2")
         ]
 
 
-def test_the_dspark_candidate_trains_on_both_dflash_sets():
-    dflash, candidate = _repo_recipes("dflash", "dspark-data2")
-    # its own set is the shipped DFlash recipe's (one cache key), stage 1's joins as extra data
-    assert candidate.data == dflash.data
-    assert candidate.train.extra_data == dflash.train.extra_data
+def test_the_dspark_candidate_trains_on_both_stage_2_dflash_sets():
+    stage2, candidate = _repo_recipes("dflash-stage2", "dspark-data2")
+    # its own set is stage 2's (one cache key), stage 1's joins as extra data
+    assert candidate.data == stage2.data
+    assert candidate.train.extra_data == stage2.train.extra_data
     assert candidate.train.init_from.endswith("dspark_flow/data/drafters/smollm2-135m-dspark")
     assert "out/drafters" in candidate.output
 
 
-def test_the_deeper_dflash_candidate_grows_the_shipped_drafter_on_its_data():
-    dflash, candidate = _repo_recipes("dflash", "dflash-deep")
-    # the shipped recipe's sets (one cache key, stage 1's as extra data), two layers added
-    assert candidate.data == dflash.data
-    assert candidate.train.extra_data == dflash.train.extra_data
-    assert candidate.drafter.num_layers == dflash.drafter.num_layers + 2
+def test_the_deeper_dflash_candidate_grows_stage_2_on_its_data():
+    stage2, candidate = _repo_recipes("dflash-stage2", "dflash-deep")
+    # stage 2's sets (one cache key, stage 1's as extra data), two layers added
+    assert candidate.data == stage2.data
+    assert candidate.train.extra_data == stage2.train.extra_data
+    assert candidate.drafter.num_layers == stage2.drafter.num_layers + 2
     same = {"num_layers"}
-    assert candidate.drafter.model_dump(exclude=same) == dflash.drafter.model_dump(exclude=same)
-    assert candidate.train.init_from.endswith("dspark_flow/data/drafters/smollm2-135m-dflash")
-    assert "out/drafters" in candidate.output
-
-
-def test_the_third_set_candidate_adds_a_new_draw_to_both_shipped_sets():
-    base, dflash, candidate = _repo_recipes("dflash-base", "dflash", "dflash-data3")
-    # a third draw of self prompts, begun otherwise; the shipped recipe's two sets beside it
-    assert candidate.data.prompts == [] and candidate.data.seed not in {0, dflash.data.seed}
-    assert candidate.data.self_prompt_starts != dflash.data.self_prompt_starts
-    assert candidate.data != base.data and candidate.data != dflash.data  # its own cache key
-    assert candidate.train.extra_data == [
-        "smollm2-135m-dflash-base.yaml",
-        "smollm2-135m-dflash.yaml",
-    ]
-    assert candidate.drafter == dflash.drafter
-    assert candidate.train.init_from.endswith("dspark_flow/data/drafters/smollm2-135m-dflash")
+    assert candidate.drafter.model_dump(exclude=same) == stage2.drafter.model_dump(exclude=same)
+    assert (TRAIN_DIR / candidate.train.init_from).resolve() == (
+        TRAIN_DIR / stage2.output
+    ).resolve()
     assert "out/drafters" in candidate.output
 
 

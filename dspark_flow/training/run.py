@@ -487,11 +487,12 @@ def _starts_text(starts: list[str]) -> str:
 
 def _lineage(start: dict[str, Any] | None) -> list[str]:
     """Card lines for a warm start: where training began, down to the first drafter."""
-    lines = []
+    lines: list[str] = []
     while start:
         added = start.get("added_layers") or 0
+        lead = "That one started from" if lines else "Started from"  # each line its parent
         lines.append(
-            f"Started from `{Path(start.get('path', '?')).name}` (weights sha256 "
+            f"{lead} `{Path(start.get('path', '?')).name}` (weights sha256 "
             f"{str(start.get('weights_sha256', '?'))[:16]}...: {start.get('layers', '?')} layers, "
             f"{start.get('steps', '?')} steps of recipe {start.get('recipe') or '?'})"
             + (f", {added} layers added (starting as identity)." if added else ".")
