@@ -7,9 +7,9 @@ category's benchmark makes training data like that benchmark's; free prompts dec
     python benchmarks/start_tau.py --per-start 6            # CPU: ~5 min with the DFlash drafter
     python benchmarks/start_tau.py --starts "" "Write a" --drafter builtin:smollm2-135m-dspark
 
-The prompts are written with the data stage's own sampler (`data.seed` 9: a draw no shipped set
-used), so they are new to the drafter; the evaluation prompts are the held-out ones of
-`heldout_prompts.py`.
+The prompts are written with the data stage's own batch sampler (temperature 1, top-p 0.95; seed
+`--seed` + the start's index, 9 and up by default: draws no shipped set used), so they are new to
+the drafter; the evaluation prompts are the held-out ones of `heldout_prompts.py`.
 """
 
 from __future__ import annotations

@@ -470,6 +470,18 @@ def test_a_damaged_shard_is_named_and_made_again_and_exports_keep_their_record(
         shutil.rmtree(work_dir(recipe), ignore_errors=True)
 
 
+def test_a_cards_lineage_names_each_parent_once_in_order():
+    from dspark_flow.training.run import _lineage
+
+    chain = {"path": "out/drafters/b", "recipe": "b", "steps": 5, "layers": 3}
+    chain["init_from"] = {"path": "out/drafters/a", "recipe": "a", "steps": 7, "layers": 3}
+    lines = _lineage(chain)
+    assert lines[0] == "" and len(lines) == 3
+    assert lines[1].startswith("Started from `b`") and "5 steps of recipe b" in lines[1]
+    assert lines[2].startswith("That one started from `a`") and "7 steps of recipe a" in lines[2]
+    assert _lineage(None) == []
+
+
 @pytest.mark.slow
 def test_failed_starts_and_corrupt_checkpoints_lose_nothing(embedded, tmp_path):
     """A warm start that is not there fails before the data is made and before --fresh
