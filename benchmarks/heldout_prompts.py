@@ -18,18 +18,26 @@ SOURCES = {
 }
 
 
+DEFAULT_SRC = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+
+
+def heldout_rows(per_category: int, src: Path = DEFAULT_SRC) -> list[dict]:
+    """The first `per_category` held-out prompts of each category, first turn only."""
+    rows = []
+    for category, (name, skip) in SOURCES.items():
+        lines = [ln for ln in (Path(src) / name).read_text().splitlines() if ln.strip()]
+        for line in lines[skip : skip + per_category]:
+            rows.append({"turns": json.loads(line)["turns"][:1], "category": category})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--per-category", type=int, default=10)
-    default_src = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
-    p.add_argument("--src", default=str(default_src))
+    p.add_argument("--src", default=str(DEFAULT_SRC))
     args = p.parse_args()
-    rows = []
-    for category, (name, skip) in SOURCES.items():
-        lines = [ln for ln in (Path(args.src) / name).read_text().splitlines() if ln.strip()]
-        for line in lines[skip : skip + args.per_category]:
-            rows.append({"turns": json.loads(line)["turns"][:1], "category": category})
+    rows = heldout_rows(args.per_category, Path(args.src))
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} prompts -> {args.out}")
 

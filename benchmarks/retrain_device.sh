@@ -86,9 +86,11 @@ pipeline() {  # the background job: data, train (until STEPS or the deadline), e
   # BENCH_S > 0: the shipped recipe beside the same recipe with the new drafter, one bench
   # (needs the shipped drafter of this kind in the tree; held-out prompts, 4 a category)
   # (a candidate such as dflash-deep benches against the shipped recipe of its drafter's kind)
-  local shipped
-  shipped=recipes/$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["drafter"]["kind"])' "$recipe").yaml
-  if [ "${BENCH_S:-0}" -gt 0 ] && [ -e "$shipped" ]; then
+  local shipped=
+  if [ "${BENCH_S:-0}" -gt 0 ]; then
+    shipped=recipes/$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["drafter"]["kind"])' "$recipe").yaml
+  fi
+  if [ -n "$shipped" ] && [ -e "$shipped" ]; then
     sed -e "s|checkpoint: auto|checkpoint: $JOB/out/smollm2-135m-$kind|" \
       -e "s|^name: .*\$|name: $kind-new|" "$shipped" > "$JOB/$kind-new.yaml"
     python3 -P benchmarks/heldout_prompts.py "$JOB/heldout.jsonl" --per-category 4

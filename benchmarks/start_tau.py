@@ -25,9 +25,7 @@ from dspark_flow.api import load_drafter, load_target, speculative_generate
 from dspark_flow.training.data import _eos_ids, _user_turn_prefix, generate_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from heldout_prompts import SOURCES  # noqa: E402
-
-PROMPTS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+from heldout_prompts import heldout_rows  # noqa: E402
 
 DEFAULT_STARTS = [
     "",
@@ -84,10 +82,10 @@ def main() -> None:
             (f"self: {start!r}", self_prompts(model, tok, start, args.per_start, args.seed + i))
         )
     if args.heldout:  # the held-out split, as heldout_prompts.py takes it
-        for category, (name, skip) in SOURCES.items():
-            lines = [ln for ln in (PROMPTS / name).read_text().splitlines() if ln.strip()]
-            chosen = lines[skip : skip + args.heldout]
-            groups.append((f"held-out {category}", [json.loads(ln)["turns"][0] for ln in chosen]))
+        by_category: dict[str, list[str]] = {}
+        for row in heldout_rows(args.heldout):
+            by_category.setdefault(row["category"], []).append(row["turns"][0])
+        groups += [(f"held-out {c}", prompts) for c, prompts in by_category.items()]
 
     table = []
     for name, prompts in groups:

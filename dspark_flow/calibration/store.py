@@ -239,7 +239,7 @@ class CurveStore:
         """The cached curves for `key`, or None when absent or unusable (never raises; `quiet`:
         a second look that would repeat the first one's warning)."""
         path = self.path_for(key)
-        warn = log.debug if quiet else log.warning
+        warn, info = (log.debug, log.debug) if quiet else (log.warning, log.info)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -249,9 +249,7 @@ class CurveStore:
             return None
         try:
             if data.get("version") != VERSION:
-                (log.debug if quiet else log.info)(
-                    "calibration cache of another version, re-measuring", path=str(path)
-                )
+                info("calibration cache of another version, re-measuring", path=str(path))
                 return None
             if data.get("key") != key:  # a digest collision or a hand-edited file
                 return None

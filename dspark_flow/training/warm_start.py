@@ -73,9 +73,7 @@ def _check_stated(
     ]
     if mask_token_id is not None:
         pairs.append(("mask_token_id", source.mask_token_id, mask_token_id))
-    for name, have, want in pairs:
-        if have != want:
-            raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
+    _refuse_differences(pairs, where)
     if source.backbone.num_layers > layers:
         raise DsparkFlowError(
             f"{where} has {source.backbone.num_layers} layers, more than the recipe's "
@@ -90,6 +88,11 @@ def _check_settings(source: Any, ours: Any, kind: str, mask_token_id: int, where
     a, b = dataclasses.asdict(source.backbone), dataclasses.asdict(ours.backbone)
     pairs = [(k, a[k], b[k]) for k in sorted(b) if k not in _MAY_DIFFER]
     pairs += [(k, source.extra.get(k), v) for k, v in sorted(ours.extra.items())]
+    _refuse_differences(pairs, where)
+
+
+def _refuse_differences(pairs: list[tuple[str, Any, Any]], where: str) -> None:
+    """One line naming the first setting (name, source's, recipe's) that differs."""
     for name, have, want in pairs:
         if have != want:
             raise DsparkFlowError(f"{where} has {name} {have}, this recipe's drafter {want}")
