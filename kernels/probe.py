@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -453,18 +453,54 @@ def probe_dense_span(
     w_dtype = w_dtype or dtype
     fmt = f"dense-{dtype_name(w_dtype)}"
     key = ProbeKey.make("dense_row_span", "1", fmt, max_rows, n, k, dtype_name(dtype))
-
-    def make(seed: int) -> tuple[mx.array, mx.array, None, None, int, int]:
-        kx, kw = mx.random.split(mx.random.key(seed))
-        x = mx.random.normal((max_rows, k), key=kx).astype(dtype)
-        w = (mx.random.normal((n, k), key=kw) * 0.05).astype(w_dtype)
-        mx.eval(x, w)
-        return x, w, None, None, 0, 0
+    make = _dense_inputs(max_rows, n, k, dtype, w_dtype)
 
     def measure() -> int:
         return min(sr.invariant_span(*make(seed), matmul=sr.dense_reference) for seed in (0, 1))
 
     return _span_verdict(key, "dense matmul", "rows", measure, store, force)
+
+
+def probe_dense_floor(
+    max_rows: int,
+    n: int,
+    k: int,
+    dtype: mx.Dtype,
+    store: VerdictCache | None = None,
+    force: bool = False,
+    w_dtype: mx.Dtype | None = None,
+) -> Verdict:
+    """From how many rows (of 1..max_rows) MLX's own dense matmul computes every row as its
+    product of max_rows rows does, fewer rows padded with zero rows to that count:
+    `extra["floor"]` (`stock_rows.padded_floor`; 0: none). Two random draws (the larger floor
+    counts), cached like the spans."""
+    from dspark_flow.kernels import stock_rows as sr
+
+    w_dtype = w_dtype or dtype
+    fmt = f"dense-{dtype_name(w_dtype)}"
+    key = ProbeKey.make("dense_row_floor", "1", fmt, max_rows, n, k, dtype_name(dtype))
+    make = _dense_inputs(max_rows, n, k, dtype, w_dtype)
+
+    def measure() -> int:
+        floors = [sr.padded_floor(*make(seed)[:2]) for seed in (0, 1)]
+        return 0 if 0 in floors else max(floors)
+
+    return _span_verdict(key, "dense matmul", "rows", measure, store, force, "floor")
+
+
+def _dense_inputs(
+    rows: int, n: int, k: int, dtype: mx.Dtype, w_dtype: mx.Dtype
+) -> Callable[[int], tuple[mx.array, mx.array, None, None, int, int]]:
+    """Random (x, w) for a dense layer's probes, in the quantized calling convention."""
+
+    def make(seed: int) -> tuple[mx.array, mx.array, None, None, int, int]:
+        kx, kw = mx.random.split(mx.random.key(seed))
+        x = mx.random.normal((rows, k), key=kx).astype(dtype)
+        w = (mx.random.normal((n, k), key=kw) * 0.05).astype(w_dtype)
+        mx.eval(x, w)
+        return x, w, None, None, 0, 0
+
+    return make
 
 
 def _span_verdict(
@@ -474,20 +510,29 @@ def _span_verdict(
     measure: Callable[[], int],
     store: VerdictCache | None,
     force: bool,
+    field: Literal["span", "floor"] = "span",
 ) -> Verdict:
-    """A stock op's span (`extra["span"]`: rows 1..span computed as one row is), measured once
-    and cached like the kernels' verdicts. An op that fails here refuses the route, not the
-    warm-up."""
+    """A stock op's span (`extra["span"]`: rows 1..span computed as one row is) or floor
+    (`extra["floor"]`: from that many rows on, fewer padded, every row computed as all rows
+    compute it), measured once and cached like the kernels' verdicts. An op that fails here
+    refuses the route, not the warm-up."""
     store = store if store is not None else VerdictCache()
     if not force and (hit := store.get(key)) is not None:
         return hit
     try:
-        span = measure()
+        count = measure()
     except Exception as e:
         verdict = Verdict(False, f"stock {what} failed: {type(e).__name__}: {str(e)[:300]}")
     else:
-        reason = f"{unit} 1..{span} computed as one row is" if span else "not deterministic"
-        verdict = Verdict(span > 0, reason, extra={"span": span}, correct=span > 0)
+        if not count:
+            reason = (
+                "not deterministic" if field == "span" else "no row count from which rows agree"
+            )
+        elif field == "span":
+            reason = f"{unit} 1..{count} computed as one row is"
+        else:
+            reason = f"{unit} {count}.. computed alike (fewer padded to {count})"
+        verdict = Verdict(count > 0, reason, extra={field: count}, correct=count > 0)
     store.put(key, verdict)
     return verdict
 

@@ -121,6 +121,55 @@ def dense_chunked(chunk: int) -> Callable[..., mx.array]:
     return dense_stock_chunks
 
 
+def dense_padded(floor: int) -> Callable[..., mx.array]:
+    """MLX's dense matmul with fewer than `floor` rows padded with zero rows up to `floor`, as a
+    route. Where MLX computes products of `floor` or more rows alike but a lone row otherwise
+    (OpenBLAS takes a separate small-matrix kernel for it: a 2-core Xeon, 2026-12-05), a
+    one-row forward padded to `floor` rows computes its row as every verify does, and a verify
+    then runs one matmul instead of one per chunk (`padded_floor` measures `floor`)."""
+
+    def dense_stock_padded(x: mx.array, w: mx.array, *quantization: object) -> mx.array:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        m = rows.shape[0]
+        if m < floor:
+            rows = mx.concatenate([rows, mx.zeros((floor - m, k), dtype=rows.dtype)])
+        return (rows @ w.T)[:m].reshape(*lead, w.shape[0])
+
+    return dense_stock_padded
+
+
+def padded_floor(
+    x: mx.array, w: mx.array, matmul: Callable[..., mx.array] = dense_reference
+) -> int:
+    """The smallest P (1..rows of x) such that the product of every M = P..rows leading rows of
+    x, and of every fewer rows padded with zero rows to P, gives each row, bit for bit, what the
+    product of all rows gives it; 0 where not even all rows repeat (a non-deterministic op)."""
+    top = x.shape[0]
+    whole = matmul(x, w)
+    if not mx.array_equal(matmul(x, w), whole).item():
+        return 0
+    floor = 0
+    for p in range(top, 0, -1):
+        if not mx.array_equal(matmul(x[:p], w), whole[:p]).item():
+            break  # M = p breaks the run down from the top: no smaller floor either
+        padded = _padded(matmul, p)
+        if all(mx.array_equal(padded(x[:m], w), whole[:m]).item() for m in range(1, p)):
+            floor = p
+    return floor
+
+
+def _padded(matmul: Callable[..., mx.array], floor: int) -> Callable[..., mx.array]:
+    """`matmul` over (rows, K) x with fewer than `floor` rows padded with zero rows."""
+
+    def call(x: mx.array, w: mx.array) -> mx.array:
+        m = x.shape[0]
+        pad = mx.zeros((max(0, floor - m), x.shape[1]), dtype=x.dtype)
+        return matmul(mx.concatenate([x, pad]) if m < floor else x, w)[:m]
+
+    return call
+
+
 def attention_chunked(chunk: int) -> Callable[..., mx.array]:
     """MLX's attention over causal query chunks of at most `chunk` rows, as a route: query row
     i of an M-row call over N keys sees the first N - M + i + 1 keys, in whichever chunk it

@@ -163,6 +163,91 @@ def test_dense_chunks_compute_each_row_as_one_row_within_the_measured_span():
     assert mx.allclose(sr.dense_chunked(span)(x, w), whole, atol=1e-5).item()
 
 
+def test_padded_floor_finds_from_how_many_rows_products_agree():
+    mx.random.seed(3)
+    x, w = mx.random.normal((8, 64)), mx.random.normal((48, 64))
+
+    def small_kernel_below(rows):  # a BLAS that takes another kernel for fewer than `rows` rows
+        def matmul(x, w):
+            y = x @ w.T
+            return y * (1 + 1e-6) if x.shape[0] < rows else y
+
+        return matmul
+
+    calls = iter(range(10**6))
+
+    def not_deterministic(x, w):
+        return x @ w.T + next(calls) * 1e-7
+
+    assert sr.padded_floor(x, w, small_kernel_below(1)) == 1  # every row count alike
+    assert sr.padded_floor(x, w, small_kernel_below(2)) == 2  # a lone row differs
+    assert sr.padded_floor(x, w, small_kernel_below(3)) == 3
+    assert sr.padded_floor(x, w, not_deterministic) == 0
+
+
+def test_dense_padded_route_computes_every_row_as_the_whole_product_from_its_floor():
+    """The CPU's padded dense route: fewer rows than the measured floor take zero rows, so a
+    one-row forward computes its row as a verify of 2..16 rows does (MLX's own `x @ w.T`)."""
+    mx.random.seed(4)
+    x, w = mx.random.normal((16, 1536)), mx.random.normal((576, 1536)) * 0.05
+    floor = sr.padded_floor(x, w)
+    assert 1 <= floor <= 16  # this machine's BLAS: where its rows start to agree
+    whole = x @ w.T
+    route = sr.dense_padded(floor)
+    for m in range(1, 17):
+        assert mx.array_equal(route(x[:m], w), whole[:m]).item(), m
+    y = route(x[:1].reshape(1, 1, 1536), w)  # a model's (batch, tokens, features) input
+    assert y.shape == (1, 1, 576) and mx.array_equal(y.reshape(1, 576), whole[:1]).item()
+    # the twin, one row alone: the same values within rounding (bitwise where floor is 1)
+    assert mx.allclose(route(x[:1], w), sr.dense_reference(x[:1], w), atol=1e-5).item()
+
+
+def test_dense_floor_probe_is_cached(kernel_cache):
+    first = probe.probe_dense_floor(4, 192, 576, mx.float32)
+    again = probe.probe_dense_floor(4, 192, 576, mx.float32)
+    assert 1 <= first.extra["floor"] <= 4 and first.enabled and not first.cached
+    assert again.cached and again.extra == first.extra
+
+
+@pytest.mark.parametrize(
+    "pad_rows, floor, expected",
+    [
+        (True, 2, ["dense_stock_padded", "stock", "stock", "stock"]),
+        (True, 3, ["stock", "dense_stock_chunks", "dense_stock_chunks", "dense_stock_chunks"]),
+        (False, 2, ["stock", "dense_stock_chunks", "dense_stock_chunks", "dense_stock_chunks"]),
+    ],
+)
+def test_invariant_mode_pads_a_lone_row_only_where_one_zero_row_makes_rows_agree(
+    monkeypatch, kernel_cache, pad_rows, floor, expected
+):
+    """A dense layer whose span is one row: with `pad_rows` and a floor of 2, a one-row forward
+    takes a zero row and every verify runs one stock matmul; a floor of 3 (two zero rows) or
+    pad_rows off keeps the chunks."""
+    from dspark_flow.strategy import BuildContext
+    from tests.tiny import tiny_model
+
+    def verdict(field, value):
+        return lambda *a, **k: probe.Verdict(True, "faked", extra={field: value}, correct=True)
+
+    floors = []
+    monkeypatch.setattr(probe, "probe_dense_span", verdict("span", 1))
+    monkeypatch.setattr(
+        probe, "probe_dense_floor", lambda *a, **k: floors.append(a) or verdict("floor", floor)()
+    )
+    verifier = KernelVerifier(KernelsConfig(max_rows=4, invariant=True, pad_rows=pad_rows))
+    model = tiny_model(seed=6)
+    verifier.warm_up(BuildContext(model=model, tokenizer=None, recipe=None))
+    try:
+        routes = verifier.matmul_routes()
+        assert routes and all(names == expected for names in routes.values()), routes
+        assert bool(floors) == pad_rows  # the floor is probed only where padding may be taken
+        for tokens in ([504], [504, 2365, 6354]):  # one row (padded or not) and a verify
+            got = verifier.forward(model, tokens, None)
+            assert mx.allclose(got, model(mx.array([tokens]), cache=None), atol=1e-4).item()
+    finally:
+        verifier.restore()
+
+
 def test_attention_chunks_compute_each_query_as_one_query_call():
     """The CPU's attention route: MLX's own attention in causal query chunks of its span."""
     q, k, v, scale, _ = a.attention_inputs(16, 300, 9, 3, 64, mx.float32)(0)

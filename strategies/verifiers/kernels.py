@@ -62,6 +62,15 @@ _SUBCLASSES: dict[type, type] = {}
 # span of 1 without an exact `qmv_rows`) would time ~2.9x for the head, more on cheaper shapes.
 PREFER_STOCK_LIMIT = 2.5
 
+# `pad_rows`: a dense layer whose span is under PAD_BELOW_SPAN rows would run its verifies in
+# chunks of 1-2 rows (one matmul call per chunk); where its products agree from PAD_FLOOR rows
+# on, a one-row forward takes a zero row and every verify runs one call. On a 2-core Xeon
+# (2026-12-05, docs/kernels.md) the embedded target's down projection (span 1, floor 2): an
+# 8-row verify 147 -> 127 ms, one row +4%; its q/o projections (span 2, floor 3: two zero rows)
+# would add another +5% to one row for a few ms per verify, so they keep their chunks.
+PAD_BELOW_SPAN = 3
+PAD_FLOOR = 2
+
 
 class KernelsConfig(LayerOptions):
     kind: Literal["kernels"] = "kernels"
@@ -106,6 +115,14 @@ class KernelsConfig(LayerOptions):
         "layer and the attention, a one-token forward is MLX's stock forward; on the H200 plain "
         "greedy +8%, speculation +2%: the probes time a kernel alone, not the host time its "
         "calls add to a forward); false: the cheapest per token by the probes",
+    )
+    pad_rows: bool = Field(
+        True,
+        description="invariant mode on the CPU: a dense layer that MLX computes alike from 2 "
+        "rows on but not for a lone row (span 1-2 rows, so its verifies would run one matmul "
+        "per 1-2 rows) pads a one-row input with a zero row, and every verify runs one matmul "
+        "(measured on a 2-core Xeon: a verify of 8 rows -14%, a one-row forward +4%); false: "
+        "chunks",
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
     reprobe: bool = Field(False, description="ignore cached verdicts and measure again")
@@ -555,9 +572,11 @@ class KernelVerifier(Verifier):
     def _dense_routes(self, shape: tuple[Any, ...], store: Any) -> list[Callable[..., Any] | None]:
         """A dense layer's invariant route on the CPU: MLX's own matmul for rows 1..span, which
         it computes as it computes one row (measured: `probe_dense_span`), in chunks of the span
-        past it (None everywhere: the span covers every row count, nothing to reroute)."""
+        past it (None everywhere: the span covers every row count, nothing to reroute); with
+        `pad_rows`, a span under PAD_BELOW_SPAN and products that agree from PAD_FLOOR rows on
+        (`probe_dense_floor`), one row padded to PAD_FLOOR and MLX's own matmul for the rest."""
         from dspark_flow.kernels import stock_rows
-        from dspark_flow.kernels.probe import dtype_name, probe_dense_span
+        from dspark_flow.kernels.probe import dtype_name, probe_dense_floor, probe_dense_span
 
         n, k, _, _, x_dtype, w_dtype = shape
         top = self._max_rows
@@ -568,6 +587,14 @@ class KernelVerifier(Verifier):
         if span == 0:
             self._not_invariant.append(f"no invariant dense matmul for {n}x{k}: {v.reason}")
             return [None] * (top + 1)
+        if self.config.pad_rows and span < min(PAD_BELOW_SPAN, top):
+            fv = probe_dense_floor(top, n, k, x_dtype, store, self.config.reprobe, w_dtype)
+            self._note("dense_row_floor", fv, rows=top, n=n, k=k, dtype=dtype_name(x_dtype),
+                       weights=dtype_name(w_dtype))  # fmt: skip
+            floor = int(fv.extra.get("floor", 0))
+            if 0 < floor <= PAD_FLOOR:
+                pad = stock_rows.dense_padded(floor)
+                return [None] + [pad] * (floor - 1) + [None] * (top - floor + 1)
         return _stock_then(span, stock_rows.dense_chunked(span), top)
 
     def _chunked_attention(
