@@ -18,7 +18,9 @@ computes 1..3 rows as one row and differs in the last bits from 4 rows on. Its a
 what breaks first (3 query rows, and on an AVX-512 CPU fewer at some key counts: 2026-12-02);
 its dense matmul keeps 12 rows alike there. `dense_chunked`
 and `attention_chunked` give the invariant mode its CPU routes: the same ops, in chunks of
-their spans.
+their spans. Where a dense span is a lone row because the BLAS takes another kernel for one
+row (a Xeon, 2026-12-05), `dense_padded` pads a lone row instead, up to the row count
+(`padded_floor`) from which every product computes its rows alike.
 
 Twins: `mx.quantized_matmul` / `x @ w.T` / MLX's attention on all rows at once (the values
 the chunks must match to within rounding; bitwise wherever the span holds).
@@ -128,13 +130,11 @@ def dense_padded(floor: int) -> Callable[..., mx.array]:
     one-row forward padded to `floor` rows computes its row as every verify does, and a verify
     then runs one matmul instead of one per chunk (`padded_floor` measures `floor`)."""
 
+    padded = _padded(dense_reference, floor)
+
     def dense_stock_padded(x: mx.array, w: mx.array, *quantization: object) -> mx.array:
         lead, k = x.shape[:-1], x.shape[-1]
-        rows = x.reshape(-1, k)
-        m = rows.shape[0]
-        if m < floor:
-            rows = mx.concatenate([rows, mx.zeros((floor - m, k), dtype=rows.dtype)])
-        return (rows @ w.T)[:m].reshape(*lead, w.shape[0])
+        return padded(x.reshape(-1, k), w).reshape(*lead, w.shape[0])
 
     return dense_stock_padded
 

@@ -19,7 +19,8 @@ hook are active only inside this verifier's `forward`, so
 anything else running the same model gets the stock path. Where nothing is enabled nothing is
 swapped or wrapped: output = `reference`. On the CPU no kernel runs; there invariant mode routes
 the dense layers (and the tied head) and the attention through MLX's own ops in chunks of their
-probed row-invariant spans (`_dense_routes`, `_chunked_attention`), the only exact route there.
+probed row-invariant spans (`_dense_routes`, `_chunked_attention`; a dense layer's lone row
+padded to two instead where that makes its rows agree: `pad_rows`), the only exact routes there.
 """
 
 from __future__ import annotations
