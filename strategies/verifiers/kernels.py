@@ -67,8 +67,8 @@ PREFER_STOCK_LIMIT = 2.5
 # chunks of 1-2 rows (one matmul call per chunk); where its products agree from PAD_FLOOR rows
 # on, a one-row forward takes a zero row and every verify runs one call. On a 2-core Xeon
 # (2026-12-05, docs/kernels.md) the embedded target's down projection (span 1, floor 2): an
-# 8-row verify 147 -> 127 ms, one row +4%; its q/o projections (span 2, floor 3: two zero rows)
-# would add another +5% to one row for a few ms per verify, so they keep their chunks.
+# 8-row verify -16%, one row +3% (one process); its q/o projections (span 2, floor 3: two zero
+# rows) would add another +5% to one row for a few ms per verify, so they keep their chunks.
 PAD_BELOW_SPAN = 3
 PAD_FLOOR = 2
 
@@ -122,7 +122,7 @@ class KernelsConfig(LayerOptions):
         description="invariant mode on the CPU: a dense layer that MLX computes alike from 2 "
         "rows on but not for a lone row (span 1-2 rows, so its verifies would run one matmul "
         "per 1-2 rows) pads a one-row input with a zero row, and every verify runs one matmul "
-        "(measured on a 2-core Xeon: a verify of 8 rows -14%, a one-row forward +4%); false: "
+        "(measured on a 2-core Xeon: a verify of 8 rows -16%, a one-row forward +3%); false: "
         "chunks",
     )
     coprefill: bool = Field(False, description="probe CPU co-prefill for wide prefill matmuls")
