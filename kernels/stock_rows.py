@@ -126,7 +126,7 @@ def dense_chunked(chunk: int) -> Callable[..., mx.array]:
 def dense_padded(floor: int) -> Callable[..., mx.array]:
     """MLX's dense matmul with fewer than `floor` rows padded with zero rows up to `floor`, as a
     route. Where MLX computes products of `floor` or more rows alike but a lone row otherwise
-    (OpenBLAS takes a separate small-matrix kernel for it: a 2-core Xeon, 2026-12-05), a
+    (most likely OpenBLAS taking another kernel for one row: a 2-core Xeon, 2026-12-05), a
     one-row forward padded to `floor` rows computes its row as every verify does, and a verify
     then runs one matmul instead of one per chunk (`padded_floor` measures `floor`)."""
 
