@@ -450,10 +450,7 @@ def probe_dense_span(
     in `w_dtype` (default the same)."""
     from dspark_flow.kernels import stock_rows as sr
 
-    w_dtype = w_dtype or dtype
-    fmt = f"dense-{dtype_name(w_dtype)}"
-    key = ProbeKey.make("dense_row_span", "1", fmt, max_rows, n, k, dtype_name(dtype))
-    make = _dense_inputs(max_rows, n, k, dtype, w_dtype)
+    key, make = _dense_probe("dense_row_span", max_rows, n, k, dtype, w_dtype)
 
     def measure() -> int:
         return min(sr.invariant_span(*make(seed), matmul=sr.dense_reference) for seed in (0, 1))
@@ -476,10 +473,7 @@ def probe_dense_floor(
     counts), cached like the spans."""
     from dspark_flow.kernels import stock_rows as sr
 
-    w_dtype = w_dtype or dtype
-    fmt = f"dense-{dtype_name(w_dtype)}"
-    key = ProbeKey.make("dense_row_floor", "1", fmt, max_rows, n, k, dtype_name(dtype))
-    make = _dense_inputs(max_rows, n, k, dtype, w_dtype)
+    key, make = _dense_probe("dense_row_floor", max_rows, n, k, dtype, w_dtype)
 
     def measure() -> int:
         floors = [sr.padded_floor(*make(seed)[:2]) for seed in (0, 1)]
@@ -488,10 +482,13 @@ def probe_dense_floor(
     return _span_verdict(key, "dense matmul", "rows", measure, store, force, "floor")
 
 
-def _dense_inputs(
-    rows: int, n: int, k: int, dtype: mx.Dtype, w_dtype: mx.Dtype
-) -> Callable[[int], tuple[mx.array, mx.array, None, None, int, int]]:
-    """Random (x, w) for a dense layer's probes, in the quantized calling convention."""
+def _dense_probe(
+    name: str, rows: int, n: int, k: int, dtype: mx.Dtype, w_dtype: mx.Dtype | None
+) -> tuple[ProbeKey, Callable[[int], tuple[mx.array, mx.array, None, None, int, int]]]:
+    """A dense layer probe's cache key and its random (x, w) draws (in the quantized calling
+    convention): activations in `dtype`, weights in `w_dtype` (default the same)."""
+    w_dtype = w_dtype or dtype
+    key = ProbeKey.make(name, "1", f"dense-{dtype_name(w_dtype)}", rows, n, k, dtype_name(dtype))
 
     def make(seed: int) -> tuple[mx.array, mx.array, None, None, int, int]:
         kx, kw = mx.random.split(mx.random.key(seed))
@@ -500,7 +497,7 @@ def _dense_inputs(
         mx.eval(x, w)
         return x, w, None, None, 0, 0
 
-    return make
+    return key, make
 
 
 def _span_verdict(

@@ -144,13 +144,12 @@ def padded_floor(
 ) -> int:
     """The smallest P (1..rows of x) such that the product of every M = P..rows leading rows of
     x, and of every fewer rows padded with zero rows to P, gives each row, bit for bit, what the
-    product of all rows gives it; 0 where not even all rows repeat (a non-deterministic op)."""
+    product of all rows gives it; 0 where none (as where not even all rows repeat: a
+    non-deterministic op)."""
     top = x.shape[0]
     whole = matmul(x, w)
-    if not mx.array_equal(matmul(x, w), whole).item():
-        return 0
     floor = 0
-    for p in range(top, 0, -1):
+    for p in range(top, 0, -1):  # p = top: the whole product again, the determinism check
         if not mx.array_equal(matmul(x[:p], w), whole[:p]).item():
             break  # M = p breaks the run down from the top: no smaller floor either
         padded = _padded(matmul, p)
