@@ -30,6 +30,7 @@
 # on a fresh machine. The set made then is in .stage/data/ (8.2 MB).
 # pair-sweeps: issue 6 on a two-GPU lease, DSpark on GPU 0 and DFlash on GPU 1 in one call;
 # repeat the call for more trials and join the runs with `draft_caps.py --merge`.
+# solo-shipped: issues 5 and 6 as a user runs them (the shipped recipes beside greedy), one call.
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
@@ -357,6 +358,15 @@ case "${1:-}" in
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-2}"
     bench_candidate "${KIND:?KIND names the candidate}" 0
     ;;
+  solo-shipped)  # issues 5 and 6 as a user runs them: the shipped recipes (RECIPES, default
+    # "dflash dspark": prompt lookup on, `auto`, the CLI's stack) beside greedy, PER_CATEGORY
+    # (default 4) held-out prompts a category, TRIALS (default 2) after a warm-up pass;
+    # BENCH_ARGS (default --no-mlx-lm). Needs no solo-first: the verifier probes at warm-up.
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}"
+    set --
+    for r in ${RECIPES:-dflash dspark}; do set -- "$@" "recipes/$r.yaml"; done
+    bench_run shipped 0 "$@" --trials "${TRIALS:-2}" ${BENCH_ARGS---no-mlx-lm}
+    ;;
   solo-first)  # after unstaging
     # Issue 9: verdicts, verify cost curve and batch invariance of the five targets (no end to
     # end here: solo-e2e runs it one pipeline at a time). The whole call: on 2026-11-30 the
@@ -574,7 +584,7 @@ case "${1:-}" in
     done
     grep -E "^compile_layers|tok/s" $O/compile.log
     ;;
-  *) echo "usage: $0 first | more | last | caps | kernels | kernels2 | grow-first | grow-more | grow-one | grow-last | grow-bench | solo-data | solo-grow | solo-candidate | solo-first | solo-e2e | solo-copy | solo-sources | solo-new | solo-library | solo-kernel-cache | solo-sweeps | pair-sweeps | solo-chat | solo-synthetic | solo-lookup | solo-pending | solo-gap | solo-ab | solo-compile" >&2; exit 2 ;;
+  *) echo "usage: $0 first | more | last | caps | kernels | kernels2 | grow-first | grow-more | grow-one | grow-last | grow-bench | solo-data | solo-grow | solo-candidate | solo-shipped | solo-first | solo-e2e | solo-copy | solo-sources | solo-new | solo-library | solo-kernel-cache | solo-sweeps | pair-sweeps | solo-chat | solo-synthetic | solo-lookup | solo-pending | solo-gap | solo-ab | solo-compile" >&2; exit 2 ;;
 esac
 tar -C $O -czf "$OUT/results.tgz" .
 echo "call took $(( $(date +%s) - START ))s"
