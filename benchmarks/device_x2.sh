@@ -30,8 +30,8 @@
 # on a fresh machine. The set made then is in .stage/data/ (8.2 MB).
 # pair-sweeps: issue 6 on a two-GPU lease, DSpark on GPU 0 and DFlash on GPU 1 in one call;
 # repeat the call for more trials and join the runs with `draft_caps.py --merge`.
-# solo-shipped: issues 5 and 6 as a user runs them (the shipped recipes beside greedy), one call;
-# PROMPTS=h4.jsonl names a prompts file carried in the tree (the stage holds no prompt sets).
+# solo-shipped: issues 5 and 6 as a user runs them (the shipped recipes beside greedy), one call.
+# Modes that pick held-out prompts need abprompts/ in the tree (see the prompt sets below).
 # solo-*: a one-GPU lease (kind nvidia-h200) with nothing else on the host, for the wall clock
 # that the shared two-GPU runs could not give (issues 6 and 9): `CALL_S=480 ... solo-first`
 # with the last staged part, then `solo-e2e`, `solo-sweeps`, `solo-lookup`, `solo-pending`,
@@ -55,7 +55,12 @@ source benchmarks/device_env.sh
 [ -d /root/dspark-flow-site/dspark_flow ] && export PYTHONPATH="/root/env/site:/root/dspark-flow-site" || install_here
 model_here
 mkdir -p ../shared/data
-[ -e ../shared/data/prompts ] || ln -sfn /root/env/prompts ../shared/data/prompts
+if [ ! -e ../shared/data/prompts ]; then  # the prompt sets for heldout_prompts.py and the data stage:
+  # abprompts/ carried in the tree, untracked (cp -r ../shared/data/prompts abprompts; remove it
+  # after), as retrain_device.sh takes them; else a stage that holds them (run_device.sh's does not)
+  rm -f ../shared/data/prompts  # a link left dangling by an earlier call
+  if [ -d abprompts ]; then cp -r abprompts ../shared/data/prompts; else ln -s /root/env/prompts ../shared/data/prompts; fi
+fi
 : "${OUT:?OUT must name the folder whose files come back}"
 CALL_S=${CALL_S:-560}
 START=$(date +%s)
@@ -363,14 +368,7 @@ case "${1:-}" in
     # "dflash dspark": prompt lookup on, `auto`, the CLI's stack) beside greedy, PER_CATEGORY
     # (default 4) held-out prompts a category, TRIALS (default 2) after a warm-up pass;
     # BENCH_ARGS (default --no-mlx-lm). Needs no solo-first: the verifier probes at warm-up.
-    # PROMPTS: a prompts file carried in the tree, made here with `python
-    # benchmarks/heldout_prompts.py h4.jsonl --per-category 4` (the staged payload of
-    # run_device.sh holds no prompt sets, so heldout_prompts.py cannot run there; 2026-12-05).
-    if [ -n "${PROMPTS:-}" ]; then
-      cp "$PROMPTS" /tmp/heldout.jsonl || exit 2
-    else
-      python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}" || exit 2
-    fi
+    python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}" || exit 2
     set --
     for r in ${RECIPES:-dflash dspark}; do set -- "$@" "recipes/$r.yaml"; done
     bench_run shipped 0 "$@" --trials "${TRIALS:-2}" ${BENCH_ARGS---no-mlx-lm}
