@@ -368,6 +368,8 @@ case "${1:-}" in
     # "dflash dspark": prompt lookup on, `auto`, the CLI's stack) beside greedy, PER_CATEGORY
     # (default 4) held-out prompts a category, TRIALS (default 2) after a warm-up pass;
     # BENCH_ARGS (default --no-mlx-lm). Needs no solo-first: the verifier probes at warm-up.
+    # Both drafters in one bench, which the bench warns about on GPUs (3-5x slower runs once on an
+    # H200; none on the H100 of 2026-12-05): RECIPES=dflash for one kind alone.
     python3 benchmarks/heldout_prompts.py /tmp/heldout.jsonl --per-category "${PER_CATEGORY:-4}" || exit 2
     set --
     for r in ${RECIPES:-dflash dspark}; do set -- "$@" "recipes/$r.yaml"; done
